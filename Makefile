@@ -1,0 +1,37 @@
+# kvserve developer entry points. `make install` creates .venv; `make test` runs the suite;
+# `make demo` generates text with the default model (built on first use).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch goes in first, pinned, so that the wide `torch>=2.5` of pyproject.toml is already met and pip
+# never pulls a multi-GB build on its own. On a GPU machine, install your CUDA torch into .venv first.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+export RAY_AUTH_MODE ?= disabled
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install test test-gpu demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu tests
+
+demo: install
+	$(BIN)/kvserve generate --prompt "The quick brown fox" --prompt "Once upon a time" --max-tokens 32
+
+bench: install
+	$(BIN)/kvserve bench-prefix
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

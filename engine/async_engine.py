@@ -1,0 +1,129 @@
+"""AsyncLLM: the streaming interface (add a request, stream its deltas, abort it).
+
+One background task owns the EngineCore. Adds and aborts from any coroutine are queued and applied
+between steps; each step runs in a dedicated thread so the event loop keeps serving while the model
+computes::
+
+    generate() --queue--> [step loop: apply adds/aborts -> core.step() in thread -> route outputs]
+        ^                                                                   |
+        +----------------------- per-request asyncio.Queue <----------------+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.config import EngineConfig
+from engine.core import EngineCore, PromptType
+from engine.messages import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; requests in flight were ended with this error."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+        self.core = core or EngineCore(config)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._commands: list[tuple] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str = "",
+        *,
+        cache_salt: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request. Invalid input raises ValueError before anything runs;
+        leaving the iteration early (a client that went away) aborts the request."""
+        params = dataclasses.replace(sampling_params or SamplingParams(), output_kind=output_kind)
+        text, token_ids = self.core.process_inputs(prompt)
+        if not request_id or request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is empty or already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._submit(("add", request_id, text, token_ids, params, cache_salt))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._submit(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def _submit(self, command: tuple) -> None:
+        self._commands.append(command)
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+        self._wakeup.set()
+
+    def _apply_commands(self) -> None:
+        commands, self._commands = self._commands, []
+        for command in commands:
+            if command[0] == "add":
+                _, request_id, text, token_ids, params, cache_salt = command
+                if request_id not in self._queues:
+                    continue  # its caller left before the request started
+                try:
+                    self.core.add_processed_request(request_id, text, token_ids, params, cache_salt=cache_salt)
+                except ValueError as exc:
+                    self._queues[request_id].put_nowait(exc)
+            else:
+                self.core.abort_request(command[1])
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_commands()
+            if not self.core.has_unfinished_requests():
+                self._wakeup.clear()
+                if not self._commands:
+                    await self._wakeup.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._step_thread, self.core.step)
+            except Exception as exc:
+                logger.exception("engine step failed")
+                self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+                continue
+            for output in outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+            await asyncio.sleep(0)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, queue in list(self._queues.items()):
+            self.core.abort_request(request_id)
+            queue.put_nowait(error)
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._step_thread.shutdown(wait=True)
+        self.core.shutdown()

@@ -1,0 +1,167 @@
+"""The KV block pool: every block made at start, reference counts, and the LRU free queue.
+
+Invariants (checked by the property tests):
+- block 0 is the null block: never handed out, never freed, never in the free queue;
+- for every other block: ref_cnt == 0  <=>  the block is in the free queue;
+- a block in the hash map has that hash, and carries the token ids it was cached with.
+
+A freed block keeps its hash until it is handed out again: that is the prefix cache. The free queue
+is ordered for eviction, least recently freed at the head::
+
+    head <-> b7 <-> b3 <-> b9 <-> tail        get_new_blocks takes b7 first; free appends at the tail
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.block_hash import BlockHash
+
+
+class KVCacheBlock:
+    """One block of ``block_size`` KV slots (on every rank and layer at once)."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free", "is_null")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.token_ids: tuple[int, ...] | None = None  # collision guard for cache hits
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+        self.is_null = False
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeKVCacheBlockQueue:
+    """Intrusive doubly linked list of free blocks: O(1) append, popleft and remove-from-middle."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free KV blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """Hands out blocks, takes them back, and keeps the hash -> block map of the prefix cache."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def usage(self) -> float:
+        """Share of usable blocks referenced by some request (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """Record a now-full block under its hash. A block already cached keeps its entry; when another
+        block holds the same hash already, this one stays out of the map (a duplicate, evicted first
+        come, first served)."""
+        if block.block_hash is not None or block.is_null:
+            return
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached.setdefault(block_hash, block)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` from the head of the free queue (evicting their cached contents)."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} KV blocks with {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = block.token_ids = None
+        self.num_evictions += 1
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on blocks another request is sharing (prefix hit or fork)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; those reaching zero join the free queue in this order
+        (so pass a request's blocks tail first: its tail is then evicted first)."""
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = block.token_ids = None
+        self.cached.clear()
+        return True

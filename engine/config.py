@@ -1,0 +1,129 @@
+"""Engine settings: frozen, validated once, shared by the scheduler and (pickled) by every rank."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _as_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Hugging Face model directory, read from its config.json and generation_config.json."""
+
+    path: str
+    hf_config: dict = field(repr=False, hash=False, compare=False)
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str = "auto"
+
+    @classmethod
+    def from_dir(cls, path: str | Path, dtype: str = "auto", max_model_len: int | None = None) -> ModelConfig:
+        root = Path(path)
+        if not (root / "config.json").exists():
+            raise ValueError(f"{root} is not a model directory: it has no config.json")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        hf_config = _read_json(root / "config.json")
+        architectures = hf_config.get("architectures") or []
+        if not architectures:
+            raise ValueError(f"{root}/config.json names no architectures")
+        max_positions = int(hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048)
+        window = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", True) else None
+        limit = min(max_positions, window) if window else max_positions
+        if max_model_len is None:
+            max_model_len = limit
+        elif not 1 <= max_model_len <= limit:
+            why = f"the sliding window of {window}" if window and window < max_positions else \
+                f"max_position_embeddings={max_positions}"
+            raise ValueError(f"max_model_len={max_model_len} must be between 1 and {limit} ({why})")
+        generation = _read_json(root / "generation_config.json")
+        eos = _as_ids(generation.get("eos_token_id", hf_config.get("eos_token_id")))
+        return cls(
+            path=str(root),
+            hf_config=hf_config,
+            architecture=architectures[0],
+            max_model_len=max_model_len,
+            vocab_size=int(hf_config["vocab_size"]),
+            eos_token_ids=eos,
+            dtype=dtype,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV pool size: ``num_kv_blocks`` if given, else ``kv_cache_memory_bytes`` per rank, else (CUDA)
+    ``gpu_memory_utilization`` of the device after profiling a forward pass."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be between 1 and 1024, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    placement_strategy: str = "STRICT_PACK"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    device: str = "auto"  # "auto" (CUDA when available), "cpu" or "cuda"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len

@@ -1,0 +1,176 @@
+"""EngineCore: scheduler + executor + output processing, one synchronous step at a time.
+
+The offline ``LLM`` drives it directly; ``AsyncLLM`` (and the scheduler actor) drive it from a step
+loop. Every request is validated before it reaches the scheduler, so a bad request raises to its
+caller and never disturbs the step loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.config import EngineConfig
+from engine.executor import Executor, create_executor
+from engine.messages import RequestOutput
+from engine.metrics import StepTimings
+from engine.output_processor import OutputProcessor
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+PromptType = str | list[int]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.model.path)
+        self.executor = executor or create_executor(config)
+        try:
+            num_blocks = config.cache.num_kv_blocks or self.executor.determine_num_kv_blocks()
+            self._check_pool_fits(num_blocks)
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.num_kv_blocks = num_blocks
+        self.scheduler = Scheduler(
+            num_kv_blocks=num_blocks,
+            block_size=config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.timings = StepTimings()
+        self._eos_token_ids = frozenset(config.model.eos_token_ids)
+
+    def _check_pool_fits(self, num_blocks: int) -> None:
+        block_size, max_len = self.config.cache.block_size, self.config.max_model_len
+        if -(-max_len // block_size) > num_blocks - 1:
+            raise ValueError(
+                f"the KV pool ({num_blocks - 1} usable blocks of {block_size} tokens = "
+                f"{(num_blocks - 1) * block_size} tokens) cannot hold one sequence of max_model_len="
+                f"{max_len}; give more KV memory or blocks, or set max_model_len <= "
+                f"{(num_blocks - 1) * block_size}"
+            )
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def process_inputs(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Tokenize and validate a prompt: (prompt text or None, token ids). Raises ValueError."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        max_len = self.config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
+        vocab_size = self.config.model.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        return text, token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        text, token_ids = self.process_inputs(prompt)
+        self.add_processed_request(request_id, text, token_ids, params or SamplingParams(),
+                                   cache_salt=cache_salt, arrival_time=arrival_time)
+
+    def add_processed_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Add a request whose prompt went through ``process_inputs``. ``n`` > 1 becomes n sibling
+        requests that share the prompt's blocks once the first has computed them."""
+        if request_id in self.outputs.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        max_len = self.config.max_model_len
+        max_tokens = max(1, min(params.max_tokens or max_len, max_len - len(prompt_token_ids)))
+        sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.outputs.add_request(request_id, prompt, prompt_token_ids, params, sample_ids, arrival_time)
+        first: Request | None = None
+        for i, sample_id in enumerate(sample_ids):
+            request = Request(
+                sample_id, prompt_token_ids, params if params.n == 1 else params.for_child(i),
+                eos_token_ids=self._eos_token_ids, block_size=self.config.cache.block_size,
+                max_tokens=max_tokens, cache_salt=cache_salt, arrival_time=arrival_time,
+                fork_source=first,
+            )
+            first = first or request
+            self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output, or None if unknown."""
+        self.scheduler.finish_requests(self.outputs.sample_ids_of(request_id), RequestStatus.FINISHED_ABORTED)
+        return self.outputs.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        request_outputs, stopped = self.outputs.process(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.timings.record(time.perf_counter() - start, runner_output.forward_time_s,
+                            runner_output.execute_time_s)
+        return request_outputs
+
+    # --- introspection ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        sched = self.scheduler
+        pool = sched.kv.block_pool
+        s = sched.stats
+        return {
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "num_preemptions": s.num_preemptions,
+            "num_blocks_in_use": pool.num_usable_blocks - pool.num_free_blocks,
+            "num_kv_blocks": pool.num_blocks,
+            "num_cached_blocks": len(pool.cached),
+            "kv_cache_usage": pool.usage,
+            "block_size": self.config.cache.block_size,
+            "num_requests_running": len(sched.running),
+            "num_requests_waiting": len(sched.waiting),
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_generation_tokens": s.num_generation_tokens,
+            "num_steps": self.timings.num_steps,
+            "step_time_s": self.timings.step_time_s,
+            "forward_time_s": self.timings.forward_time_s,
+            "engine_overhead_fraction": self.timings.overhead_fraction,
+            **self.executor.kv_cache_info(),
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

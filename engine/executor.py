@@ -1,0 +1,52 @@
+"""How the engine reaches the ranks that run the model. The engine names executors, never imports
+them at module level: ``engine`` stays free of torch and ray."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+from engine.config import EngineConfig
+from engine.messages import ModelRunnerOutput, SchedulerOutput
+
+EXECUTORS = {
+    "uniproc": "workers.executor:UniProcExecutor",  # one rank, in this process
+    "ray": "cluster.executor:RayExecutor",  # tensor-parallel ranks as Ray actors
+}
+
+
+class Executor(ABC):
+    """The ranks of one engine instance, driven one step at a time."""
+
+    @abstractmethod
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks every rank can hold (the minimum over ranks)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV pool shard of every rank."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; rank 0's sampled tokens come back."""
+
+    def kv_cache_info(self) -> dict:
+        """Pool geometry and bytes per rank (for stats and docs)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Release the ranks."""
+
+
+def executor_name(config: EngineConfig) -> str:
+    return "uniproc" if config.parallel.tensor_parallel_size == 1 else "ray"
+
+
+def create_executor(config: EngineConfig, name: str | None = None) -> Executor:
+    target = EXECUTORS[name or executor_name(config)]
+    module_name, class_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise RuntimeError(f"executor {target} is not available: {exc}") from exc
+    return getattr(module, class_name)(config)

@@ -1,0 +1,138 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from collections.abc import Sequence
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.core import EngineCore
+from engine.messages import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
+
+
+def default_model_dir() -> str:
+    """The default checkpoint, built into the cache directory on first use."""
+    return str(importlib.import_module("workers.model_builder").default_model_dir())
+
+
+def engine_config(
+    model: str | None = None,
+    *,
+    tensor_parallel_size: int = 1,
+    dtype: str = "auto",
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    num_kv_blocks: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    placement_strategy: str = "STRICT_PACK",
+) -> EngineConfig:
+    """An ``EngineConfig`` from the flat keyword arguments users know from vLLM."""
+    return EngineConfig(
+        model=ModelConfig.from_dir(model or default_model_dir(), dtype=dtype, max_model_len=max_model_len),
+        cache=CacheConfig(block_size, enable_prefix_caching, num_kv_blocks, kv_cache_memory_bytes,
+                          gpu_memory_utilization),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        parallel=ParallelConfig(tensor_parallel_size, placement_strategy),
+        device=device,
+        seed=seed,
+    )
+
+
+class LLM:
+    """Batch generation with a paged KV cache, prefix caching and continuous batching.
+
+    >>> llm = LLM(model="/path/to/model")
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.config = engine_config(model, **kwargs)
+        self.core = EngineCore(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.core.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        Every prompt is validated before any is added, so a bad one raises ValueError and leaves the
+        engine untouched.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        processed = [self.core.process_inputs(self._prompt_input(p)) for p in prompts]
+        request_ids = [str(next(self._ids)) for _ in prompts]
+        for request_id, (text, token_ids), p in zip(request_ids, processed, params):
+            self.core.add_processed_request(request_id, text, token_ids, p, cache_salt=cache_salt)
+        finals: dict[str, RequestOutput] = {}
+        try:
+            while len(finals) < len(request_ids):
+                for output in self.core.step():
+                    if output.finished:
+                        finals[output.request_id] = output
+        except BaseException:
+            for request_id in request_ids:
+                if request_id not in finals:
+                    self.core.abort_request(request_id)
+            raise
+        return [finals[request_id] for request_id in request_ids]
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.core.tokenizer
+        prompts = [{"prompt_token_ids": tokenizer.encode(tokenizer.apply_chat_template(c), add_special_tokens=False)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    @staticmethod
+    def _prompt_input(prompt: Prompt) -> str | list[int]:
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,106 @@
+"""What crosses process boundaries each step, and what users get back.
+
+Scheduler -> every rank: ``SchedulerOutput``, as diffs. A request a rank has not seen (or has dropped
+after a preemption) comes once in full as ``NewRequestData``; after that only ``CachedRequestData``
+(tokens and blocks added since). Rank 0 -> scheduler: ``ModelRunnerOutput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+# one dict per generated token: {token_id: logprob} for the top-k tokens plus the chosen one
+SampleLogprobs = list[dict[int, float]]
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt + whatever output exists (a request resumed after preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. Requests run in the order new, then cached; ``num_scheduled_tokens[id]``
+    tokens each, starting at their ``num_computed_tokens``."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished, aborted or preempted since the last step: drop their state
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # [] for a request whose prompt is still being prefilled
+    logprobs: list[dict[int, float] | None]  # per request, when it asked for logprobs and sampled
+    forward_time_s: float = 0.0  # model forward + logits, in the step
+    execute_time_s: float = 0.0  # the whole execute_model call on rank 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did to one request (scheduler -> output processor)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: dict[int, float] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` samples of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: SampleLogprobs | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = field(default=None, repr=False)

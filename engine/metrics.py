@@ -1,0 +1,70 @@
+"""Counters and histograms the engine keeps; exported as Prometheus text by the Serve app."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+# seconds; the same spirit as vLLM's buckets, so dashboards carry over
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)  # per bucket, plus +Inf last
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def quantile(self, q: float) -> float:
+        """Upper bucket bound below which a ``q`` share of observations falls (inf if beyond)."""
+        target, seen = q * self.count, 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts):
+            seen += n
+            if seen >= target and n:
+                return bound
+        return 0.0
+
+
+@dataclass
+class SchedulerStats:
+    prefix_cache_queries: int = 0  # prompt tokens looked up (first schedule of a request only)
+    prefix_cache_hits: int = 0  # of those, tokens served from the cache
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class StepTimings:
+    """Where step time goes: total step wall time vs the model forward inside it."""
+
+    num_steps: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    execute_time_s: float = 0.0
+
+    def record(self, step_s: float, forward_s: float, execute_s: float) -> None:
+        self.num_steps += 1
+        self.step_time_s += step_s
+        self.forward_time_s += forward_s
+        self.execute_time_s += execute_s
+
+    @property
+    def overhead_fraction(self) -> float:
+        return 1.0 - self.forward_time_s / self.step_time_s if self.step_time_s else 0.0

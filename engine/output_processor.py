@@ -1,0 +1,154 @@
+"""Turns per-step token outputs into user-facing ``RequestOutput``s: text, stop strings, the ``n``
+samples of a request, streaming deltas, and latency metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.messages import CompletionOutput, EngineCoreOutput, RequestMetrics, RequestOutput
+from engine.metrics import Histogram
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _Sample:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_tokens_sent: int = 0
+    final_sent: bool = False
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+@dataclass
+class LatencyMetrics:
+    time_to_first_token: Histogram = field(default_factory=Histogram)
+    inter_token_latency: Histogram = field(default_factory=Histogram)
+    e2e_latency: Histogram = field(default_factory=Histogram)
+    queue_time: Histogram = field(default_factory=Histogram)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self._by_sample_id: dict[str, tuple[_RequestState, _Sample]] = {}
+        self.latency = LatencyMetrics()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sample_ids: list[str],
+        arrival_time: float,
+    ) -> None:
+        samples = [
+            _Sample(i, IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
+                    logprobs=[] if params.logprobs is not None else None)
+            for i in range(len(sample_ids))
+        ]
+        state = _RequestState(request_id, prompt, prompt_token_ids, params.output_kind, samples,
+                              RequestMetrics(arrival_time=arrival_time))
+        self.requests[request_id] = state
+        for sample_id, sample in zip(sample_ids, samples):
+            self._by_sample_id[sample_id] = (state, sample)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs. Returns the outputs to deliver and the sample ids that a stop
+        string ended (the caller finishes them in the scheduler)."""
+        now = time.time()
+        touched: dict[str, _RequestState] = {}
+        stopped: list[str] = []
+        for out in core_outputs:
+            state, sample = self._by_sample_id[out.req_id]
+            self._observe_token(state, now, len(out.new_token_ids))
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            sample.token_ids.extend(out.new_token_ids)
+            if sample.logprobs is not None and out.new_logprobs is not None:
+                sample.logprobs.append(out.new_logprobs)
+            stop_string = sample.detokenizer.update(out.new_token_ids)
+            if out.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            elif stop_string is not None:
+                sample.finish_reason, sample.stop_reason = "stop", stop_string
+                stopped.append(out.req_id)
+            if sample.finish_reason is not None:
+                del self._by_sample_id[out.req_id]
+            touched[state.request_id] = state
+        return [self._make_output(s, now) for s in touched.values() if self._should_emit(s)], stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request from outside; returns its final output (finish reason "abort")."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for sample in state.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+        self._by_sample_id = {k: v for k, v in self._by_sample_id.items() if v[0] is not state}
+        return self._make_output(state, time.time())
+
+    def sample_ids_of(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return [k for k, (s, _) in self._by_sample_id.items() if s is state] if state else []
+
+    def _observe_token(self, state: _RequestState, now: float, count: int) -> None:
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            self.latency.time_to_first_token.observe(now - metrics.arrival_time)
+        elif metrics.last_token_time is not None and count:
+            self.latency.inter_token_latency.observe(now - metrics.last_token_time)
+        metrics.last_token_time = now
+
+    def _should_emit(self, state: _RequestState) -> bool:
+        return state.output_kind != RequestOutputKind.FINAL_ONLY or state.finished
+
+    def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
+        finished = state.finished
+        if finished:
+            state.metrics.finished_time = now
+            self.latency.e2e_latency.observe(now - state.metrics.arrival_time)
+            del self.requests[state.request_id]
+        delta = state.output_kind == RequestOutputKind.DELTA
+        outputs = []
+        for sample in state.samples:
+            done = sample.finish_reason is not None
+            if delta:
+                if sample.final_sent:
+                    continue
+                new_tokens = sample.token_ids[sample.num_tokens_sent:]
+                text = sample.detokenizer.take_delta(done)
+                if not new_tokens and not text and not done:
+                    continue
+                logprobs = sample.logprobs[sample.num_tokens_sent:] if sample.logprobs is not None else None
+                sample.num_tokens_sent, sample.final_sent = len(sample.token_ids), done
+            else:
+                new_tokens, logprobs = list(sample.token_ids), sample.logprobs
+                text = sample.detokenizer.visible_text(done)
+            outputs.append(CompletionOutput(sample.index, text, new_tokens, sample.finish_reason,
+                                            sample.stop_reason, logprobs))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
+                             state.num_cached_tokens, state.metrics)

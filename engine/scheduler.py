@@ -1,0 +1,250 @@
+"""Continuous batching under one token budget per step.
+
+Each step: running requests first (decodes, and the next chunk of prompts still being prefilled),
+then waiting ones, until ``max_num_batched_tokens`` or ``max_num_seqs`` runs out. Prefill and decode
+share the batch; a prompt longer than the remaining budget is chunked across steps. When the pool
+cannot hold a running request's next tokens, the newest running request is preempted: its blocks
+are freed (full ones stay in the prefix cache) and it waits at the head of the queue to be
+recomputed. A request's ``num_computed_tokens`` advances when it is scheduled, so the KV of a step's
+tokens counts as present once the step is planned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine.metrics import SchedulerStats
+from engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_kv_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in the order they started running: the last is the newest
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._dropped_ids: set[str] = set()  # finished or preempted since the last step
+
+    # --- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); frees their blocks."""
+        ended = set()
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                ended.add(request_id)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+        if ended:
+            self.running = [r for r in self.running if r.request_id not in ended]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # --- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[Request] = []
+        cached_reqs: list[Request] = []
+        num_preemptions_before = self.stats.num_preemptions
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new):
+                break  # it preempted itself: nothing newer is left running
+            (cached_reqs if request.num_tokens_sent else new_reqs).append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        if self.stats.num_preemptions == num_preemptions_before:
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[self._new_request_data(r) for r in new_reqs],
+            scheduled_cached_reqs=[self._cached_request_data(r) for r in cached_reqs],
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self._dropped_ids,
+        )
+        if num_scheduled:  # an empty step is not sent: keep the ids for the next one
+            self._dropped_ids = set()
+        for request_id, n in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += n
+        return output
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
+        """Allocate ``num_new`` slots for a running request, preempting the newest running requests
+        until they fit; False if ``request`` itself had to be preempted."""
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[Request]) -> int:
+        blocked: list[Request] = []  # n > 1 siblings whose shared prompt is not computed yet
+        now = time.time()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            source = request.fork_source
+            if source is not None and source.is_finished:
+                source = request.fork_source = None
+            if source is not None and source.num_computed_tokens < source.num_prompt_tokens:
+                blocked.append(self.waiting.popleft())
+                continue
+            if source is not None:
+                computed, num_cached = self.kv.get_forkable_blocks(request, source)
+            else:
+                computed, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(request, num_new, computed, num_cached) is None:
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:  # first time scheduled; recomputation is not counted
+                request.num_cached_tokens = 0 if source is not None else num_cached
+                request.first_scheduled_time = now
+                self.stats.num_prompt_tokens += request.num_prompt_tokens
+                if source is None and self.kv.enable_caching:
+                    self.stats.prefix_cache_queries += request.num_tokens
+                    self.stats.prefix_cache_hits += num_cached
+            request.fork_source = None
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.running.append(request)
+            new_reqs.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        self.waiting.extendleft(reversed(blocked))
+        return budget
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        block_ids = self.kv.get_block_ids(request.request_id)
+        request.num_tokens_sent, request.num_blocks_sent = request.num_tokens, len(block_ids)
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _cached_request_data(self, request: Request) -> CachedRequestData:
+        table = self.kv.req_to_blocks[request.request_id]
+        data = CachedRequestData(
+            req_id=request.request_id,
+            new_token_ids=request.all_token_ids[request.num_tokens_sent:],
+            new_block_ids=[b.block_id for b in table[request.num_blocks_sent:]],
+            num_computed_tokens=request.num_computed_tokens,
+        )
+        request.num_tokens_sent, request.num_blocks_sent = request.num_tokens, len(table)
+        return data
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_tokens_sent = request.num_blocks_sent = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._dropped_ids.add(request.request_id)
+        self.waiting.appendleft(request)
+
+    # --- after the step ---------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish requests that stop, free their blocks."""
+        outputs = []
+        any_finished = False
+        self.stats.num_steps += 1
+        for request_id, sampled, logprobs in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs
+        ):
+            request = self.requests.get(request_id)
+            if not sampled or request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.append_output_token_ids(sampled)
+            self.stats.num_generation_tokens += len(sampled)
+            status = self._check_stop(request)
+            if status is not None:
+                self._finish(request, status)
+                any_finished = True
+            outputs.append(EngineCoreOutput(
+                req_id=request_id,
+                new_token_ids=sampled,
+                new_logprobs=logprobs,
+                finish_reason=status.finish_reason if status is not None else None,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
+            ))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self._dropped_ids.add(request.request_id)
+        del self.requests[request.request_id]

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny checkpoints of every architecture, built once per session, and the
+Hugging Face transformers oracle that judges our outputs by teacher forcing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ARCHS = ("llama", "qwen2", "opt")
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    """arch -> directory of its `tiny` preset, built with the project's own model builder."""
+    from workers.model_builder import make_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(make_model(arch, "tiny", root / f"{arch}-tiny", seed=0)) for arch in ARCHS}
+
+
+class HFOracle:
+    """transformers on the same checkpoint, float32, eager attention."""
+
+    def __init__(self, model_dir: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+
+    def logits(self, token_ids: list[int]):
+        with self.torch.no_grad():
+            return self.model(self.torch.tensor([token_ids])).logits[0].float()
+
+    def assert_greedy(self, prompt_ids: list[int], output_ids: list[int], tol: float = 1e-3, penalize=None) -> None:
+        """Each generated token must be within ``tol`` of the best logit HF gives at its position,
+        under teacher forcing (HF reads prompt + our outputs in one forward). ``penalize(logits,
+        history)`` transforms a row first (to check penalties)."""
+        assert output_ids, "nothing was generated"
+        logits = self.logits(prompt_ids + output_ids)
+        for i, token in enumerate(output_ids):
+            row = logits[len(prompt_ids) - 1 + i]
+            if penalize is not None:
+                row = penalize(row.clone(), prompt_ids, output_ids[:i])
+            best = float(row.max())
+            assert float(row[token]) >= best - tol, (
+                f"token {i} ({token}) has logit {float(row[token]):.6f}, best is "
+                f"{int(row.argmax())} at {best:.6f}"
+            )
+
+    def log_softmax(self, token_ids: list[int]):
+        return self.torch.log_softmax(self.logits(token_ids), dim=-1)
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(model_dirs):
+    cache: dict[str, HFOracle] = {}
+
+    def get(arch: str) -> HFOracle:
+        if arch not in cache:
+            cache[arch] = HFOracle(model_dirs[arch])
+        return cache[arch]
+
+    return get

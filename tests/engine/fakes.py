@@ -1,0 +1,53 @@
+"""A model-free stand-in for the ranks, for scheduler tests: it mirrors worker state from the
+scheduler's diffs (checking they are consistent) and 'samples' a deterministic token."""
+
+from __future__ import annotations
+
+from engine.messages import ModelRunnerOutput, SchedulerOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+VOCAB = 50
+EOS = 0
+
+
+def make_request(request_id: str, prompt: list[int], *, max_tokens: int = 8, block_size: int = 4,
+                 cache_salt: str | None = None, fork_source: Request | None = None,
+                 ignore_eos: bool = True) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return Request(request_id, prompt, params, eos_token_ids=frozenset({EOS}), block_size=block_size,
+                   max_tokens=max_tokens, cache_salt=cache_salt, fork_source=fork_source)
+
+
+class FakeRunner:
+    """Holds per-request token ids and block ids exactly as a worker would."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in so.finished_req_ids:
+            self.tokens.pop(req_id, None)
+            self.blocks.pop(req_id, None)
+            self.computed.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.tokens, f"{new.req_id} sent as new twice"
+            self.tokens[new.req_id] = list(new.token_ids)
+            self.blocks[new.req_id] = list(new.block_ids)
+            self.computed[new.req_id] = new.num_computed_tokens
+        for diff in so.scheduled_cached_reqs:
+            assert self.computed[diff.req_id] <= diff.num_computed_tokens
+            self.tokens[diff.req_id].extend(diff.new_token_ids)
+            self.blocks[diff.req_id].extend(diff.new_block_ids)
+            self.computed[diff.req_id] = diff.num_computed_tokens
+        req_ids, sampled = [], []
+        for req_id, n in so.num_scheduled_tokens.items():
+            self.computed[req_id] += n
+            req_ids.append(req_id)
+            tokens = self.tokens[req_id]
+            assert self.computed[req_id] <= len(tokens)
+            done = self.computed[req_id] == len(tokens)
+            sampled.append([(sum(tokens) * 31 + len(tokens)) % VOCAB] if done else [])
+        return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))

@@ -1,0 +1,99 @@
+"""The block pool: exact block ids, LRU eviction order, reference counts, the hash map."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_hash import hash_blocks
+from engine.block_pool import BlockPool
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def free_order(pool):
+    return [b.block_id for b in pool.free_queue]
+
+
+def test_blocks_are_handed_out_from_the_head_and_block_zero_is_null():
+    pool = BlockPool(6, enable_caching=True)
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null
+    assert free_order(pool) == [1, 2, 3, 4, 5]
+    assert ids(pool.get_new_blocks(3)) == [1, 2, 3]
+    assert free_order(pool) == [4, 5]
+    assert pool.num_free_blocks == 2
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(3)
+
+
+def test_freed_blocks_join_the_tail_in_the_order_given():
+    pool = BlockPool(6, enable_caching=True)
+    blocks = pool.get_new_blocks(5)
+    pool.free_blocks(reversed(blocks[:3]))  # a request frees tail first: 3, 2, 1
+    assert free_order(pool) == [3, 2, 1]
+    pool.free_blocks([blocks[4]])
+    assert free_order(pool) == [3, 2, 1, 5]
+    assert ids(pool.get_new_blocks(2)) == [3, 2]  # least recently freed first
+
+
+def test_cached_block_stays_cached_while_free_and_is_evicted_on_reuse():
+    pool = BlockPool(4, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    h = hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    pool.cache_block(a, h[0], (1, 2, 3, 4))
+    pool.cache_block(b, h[1], (5, 6, 7, 8))
+    pool.free_blocks([b, a])
+    assert pool.get_cached_block(h[0], (1, 2, 3, 4)) is a  # free, still a hit
+    assert free_order(pool) == [3, 2, 1]
+    assert ids(pool.get_new_blocks(2)) == [3, 2]  # block 3 was never cached; block 2 (b) is evicted
+    assert pool.get_cached_block(h[1], (5, 6, 7, 8)) is None
+    assert pool.get_cached_block(h[0], (1, 2, 3, 4)) is a
+    assert pool.num_evictions == 1
+
+
+def test_touch_takes_a_free_block_out_of_the_middle_of_the_queue():
+    pool = BlockPool(5, enable_caching=True)
+    blocks = pool.get_new_blocks(4)
+    pool.free_blocks(blocks)
+    assert free_order(pool) == [1, 2, 3, 4]
+    pool.touch([blocks[2]])
+    assert free_order(pool) == [1, 2, 4]
+    assert blocks[2].ref_cnt == 1
+    pool.touch([blocks[2]])
+    assert blocks[2].ref_cnt == 2
+    pool.free_blocks([blocks[2]])
+    assert blocks[2].ref_cnt == 1 and free_order(pool) == [1, 2, 4]
+    pool.free_blocks([blocks[2]])
+    assert free_order(pool) == [1, 2, 4, 3]
+
+
+def test_double_free_is_an_error():
+    pool = BlockPool(3, enable_caching=False)
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block])
+    with pytest.raises(RuntimeError):
+        pool.free_blocks([block])
+
+
+def test_hash_collision_guard_and_duplicates():
+    pool = BlockPool(4, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    h = hash_blocks([9, 9, 9, 9], 4)[0]
+    pool.cache_block(a, h, (9, 9, 9, 9))
+    assert pool.get_cached_block(h, (9, 9, 9, 8)) is None  # same key, other tokens: not a hit
+    pool.cache_block(b, h, (9, 9, 9, 9))  # a duplicate of a's content
+    assert pool.cached[h] is a
+    pool.free_blocks([a, b])
+    assert ids(pool.get_new_blocks(1)) == [3]
+    assert ids(pool.get_new_blocks(1)) == [1]  # evicts a: the map entry goes with it
+    assert h not in pool.cached
+
+
+def test_reset_prefix_cache_only_when_idle():
+    pool = BlockPool(4, enable_caching=True)
+    (a,) = pool.get_new_blocks(1)
+    pool.cache_block(a, b"x" * 16, (1,))
+    assert not pool.reset_prefix_cache()
+    pool.free_blocks([a])
+    assert pool.reset_prefix_cache() and not pool.cached and a.block_hash is None
