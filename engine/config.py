@@ -14,6 +14,16 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def sliding_window(hf_config: dict) -> int | None:
+    """The attention window if any layer uses one (Mistral, Qwen2 with sliding layers), else None.
+    Attention here is always full, so the engine keeps contexts within the window."""
+    window = hf_config.get("sliding_window")
+    layer_types = hf_config.get("layer_types")
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if hf_config.get("use_sliding_window", True) else None
+
+
 def _as_ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -44,7 +54,7 @@ class ModelConfig:
         if not architectures:
             raise ValueError(f"{root}/config.json names no architectures")
         max_positions = int(hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048)
-        window = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", True) else None
+        window = sliding_window(hf_config)
         limit = min(max_positions, window) if window else max_positions
         if max_model_len is None:
             max_model_len = limit

@@ -1,0 +1,41 @@
+"""Paged attention over the heads of one tensor-parallel rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from kernels import PagedAttentionMetadata, paged_attention
+
+
+class Attention(nn.Module):
+    """Attention of this rank's heads against its KV pool shard.
+
+    q [T, num_heads * head_dim], k/v [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim]; the
+    step's K/V are stored in ``kv_cache`` (k_pool, v_pool: [blocks, block_size, num_kv_heads, head_dim])
+    before attending.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        t = q.shape[0]
+        out = paged_attention(
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            self.scale,
+        )
+        return out.view(t, self.num_heads * self.head_dim)

@@ -1,0 +1,202 @@
+"""Llama 2/3 and Mistral-style decoders (GQA, explicit head_dim, optional biases, rope scaling).
+
+Per layer and rank: qkv_proj (column, this rank's heads) -> rope -> paged attention -> o_proj (row,
+all-reduce); gate_up_proj (column) -> act(gate) * up -> down_proj (row, all-reduce). RMSNorms carry
+the residual stream: ``norm(x, residual)`` adds x into it, then normalises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from kernels import PagedAttentionMetadata
+from workers.layers import (
+    Attention,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    act_and_mul,
+    activation,
+    rope_parameters,
+)
+from workers.parallel_state import TPGroup
+from workers.weight_loader import WeightSlice, load_into
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The settings of a Llama-family config.json that shape the model."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    rope: dict[str, Any]
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaArgs:
+        heads = cfg["num_attention_heads"]
+        attention_bias = cfg.get("attention_bias", False)
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            max_position_embeddings=cfg["max_position_embeddings"],
+            rope=rope_parameters(cfg),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=cfg.get("mlp_bias", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, args: LlamaArgs, rotary_emb: RotaryEmbedding, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        d = args.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            args.hidden_size, d, args.num_heads, args.num_kv_heads, args.qkv_bias, tp, dtype, device
+        )
+        heads, kv_heads = self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank
+        self.split_sizes = [heads * d, kv_heads * d, kv_heads * d]
+        self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, args.o_bias, tp, dtype, device)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(heads, kv_heads, d, d**-0.5)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: LlamaArgs, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, inter = args.hidden_size, args.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], args.mlp_bias, tp, dtype, device)
+        self.down_proj = RowParallelLinear(inter, hidden, args.mlp_bias, tp, dtype, device)
+        self.act = activation(args.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, args: LlamaArgs, rotary_emb: RotaryEmbedding, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(args, rotary_emb, tp, dtype, device)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(args, tp, dtype, device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: PagedAttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype, device)
+        rotary_emb = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(args, rotary_emb, tp, dtype, device) for _ in range(args.num_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    """One tensor-parallel rank of a Llama-family causal LM (also serves MistralForCausalLM)."""
+
+    stacked_params = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    @staticmethod
+    def parse_config(hf_config: dict[str, Any]) -> LlamaArgs:
+        return LlamaArgs.from_hf(hf_config)
+
+    def __init__(self, hf_config: dict[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.args = args = self.parse_config(hf_config)
+        self.model = LlamaModel(args, tp, dtype, device)
+        tied_to = self.model.embed_tokens if args.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype, device, tied_to=tied_to)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> None:
+        ignore = ("lm_head.weight",) if self.args.tie_word_embeddings else ()
+        load_into(self, weights, self.stacked_params, ignore)
+

@@ -1,0 +1,60 @@
+"""The tensor-parallel group of one rank, passed explicitly to every layer that shards.
+
+At size 1 every collective is the identity, so the single-process engine pays nothing for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """Rank ``rank`` of ``size``; ``group`` is the torch.distributed process group when size > 1."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is outside a group of {self.size}")
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, total: int, what: str = "dimension") -> tuple[int, int]:
+        """This rank's [start, end) of ``total`` split evenly across the group."""
+        if total % self.size:
+            raise ValueError(f"{what} of {total} does not split across {self.size} tensor-parallel ranks")
+        per_rank = total // self.size
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place; returns it."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along ``dim``, on every rank."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def gather_to_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's ``x`` along ``dim`` on rank 0; other ranks get None."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.gather(x, parts, dst=dst, group=self.group)
+        return torch.cat(parts, dim=dim) if parts is not None else None

@@ -1,0 +1,139 @@
+"""Checkpoint reading: lazy safetensors slices, routed by name to each parameter's ``weight_loader``.
+
+A rank never materialises a full tensor it only holds part of: the checkpoint yields lazy slices
+(``weight[a:b]``, ``weight[:, a:b]``, ``weight.get_shape()``) and each parameter's loader reads the
+rows or columns of its own rank.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+ShardId = str | int | None
+# (fused parameter part, checkpoint part, shard id), e.g. ("qkv_proj", "k_proj", "k")
+StackedParam = tuple[str, str, ShardId]
+
+# Buffers some checkpoints carry that are recomputed here, never loaded.
+_NON_PARAMETERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class WeightSlice(Protocol):
+    """A lazily read checkpoint tensor: indexing reads only the selected part."""
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+    def get_shape(self) -> list[int]: ...
+
+
+class TensorSlice:
+    """An in-memory tensor behind the ``WeightSlice`` interface (tests, tied or derived weights)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a Hugging Face model directory, sharded or not."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    present = sorted(p.name for p in model_dir.iterdir()) if model_dir.is_dir() else []
+    raise FileNotFoundError(
+        f"no safetensors checkpoint in {model_dir}: expected model.safetensors or "
+        f"model.safetensors.index.json (found: {', '.join(present) or 'nothing'}); "
+        "convert other formats with transformers' save_pretrained(safe_serialization=True)"
+    )
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, WeightSlice]]:
+    """Every (name, lazy slice) of the checkpoint in ``model_dir``; nothing is read until sliced."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` with an exact shape check (casting dtype and device as needed)."""
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint gives shape {tuple(src.shape)} where {tuple(dst.shape)} is expected")
+    dst.copy_(src)
+
+
+def default_weight_loader(param: nn.Parameter, weight: WeightSlice, shard_id: ShardId = None) -> None:
+    """Loader of a replicated, unfused parameter: the whole tensor."""
+    if shard_id is not None:
+        raise ValueError(f"unfused parameter got shard {shard_id!r}")
+    copy_weight(param.data, weight[:])
+
+
+def _route(name: str, stacked_params: Iterable[StackedParam]) -> tuple[str, ShardId]:
+    for fused, part, shard_id in stacked_params:
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard_id
+    return name, None
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    if not names:
+        return "none"
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_into(
+    model: nn.Module,
+    weights: Iterable[tuple[str, WeightSlice]],
+    stacked_params: tuple[StackedParam, ...] = (),
+    ignore: tuple[str, ...] = (),
+) -> None:
+    """Load every checkpoint tensor into its parameter via ``param.weight_loader(param, slice, shard_id)``.
+
+    Checkpoint names containing ``.{part}.`` of a ``stacked_params`` entry go to the fused parameter
+    with that shard id. Names ending in an ``ignore`` suffix (or a known buffer) are skipped. Raises
+    ValueError naming every unexpected checkpoint tensor and every parameter (or shard) left unloaded.
+    """
+    params = dict(model.named_parameters())
+    loaded: dict[str, set[ShardId]] = {}
+    unexpected: list[str] = []
+    for ckpt_name, weight in weights:
+        if ckpt_name.endswith(_NON_PARAMETERS + ignore):
+            continue
+        name, shard_id = _route(ckpt_name, stacked_params)
+        param = params.get(name)
+        if param is None:
+            unexpected.append(ckpt_name)
+            continue
+        try:
+            getattr(param, "weight_loader", default_weight_loader)(param, weight, shard_id)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r} into {name!r}: {e}") from e
+        loaded.setdefault(name, set()).add(shard_id)
+    missing = []
+    for name in params:
+        expected = {sid for fused, _, sid in stacked_params if f".{fused}." in f".{name}"} or {None}
+        missing += [name if sid is None else f"{name}[{sid!r}]" for sid in expected - loaded.get(name, set())]
+    if unexpected or missing:
+        raise ValueError(
+            f"checkpoint does not match {type(model).__name__}: unexpected tensors: {_listing(unexpected)}; "
+            f"missing parameters: {_listing(missing)}"
+        )
