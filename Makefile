@@ -31,7 +31,7 @@ demo: install
 	$(BIN)/kvserve generate --prompt "The quick brown fox" --prompt "Once upon a time" --max-tokens 32
 
 bench: install
-	$(BIN)/kvserve bench-prefix
+	$(BIN)/kvserve bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

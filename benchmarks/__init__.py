@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, kvserve runs and the peers it is measured against, reports."""

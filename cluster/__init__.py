@@ -1,0 +1,1 @@
+"""The Ray side of kvserve, and the `kvserve` command line."""

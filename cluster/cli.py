@@ -1,0 +1,59 @@
+"""The `kvserve` command: build checkpoints, generate offline, benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: the llama `small` preset, built if missing)")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    prompts = args.prompt or ["The quick brown fox"]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    with LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size) as llm:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        for out in outputs:
+            print(f"--- {out.prompt!r}\n{out.prompt}{out.outputs[0].text}  [{out.outputs[0].finish_reason}]")
+        stats = llm.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"\n{tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tok/s); model {llm.config.model.path}; "
+          f"prefix-cache hit rate {stats['prefix_cache_hit_rate']:.2f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.cli import add_bench_arguments, run_bench
+    from workers.model_builder import add_make_model_arguments, run_make_model
+
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference on Ray")
+    commands = parser.add_subparsers(dest="command", required=True)
+    make = commands.add_parser("make-model", help="build a random Hugging Face checkpoint with its tokenizer")
+    add_make_model_arguments(make)
+    make.set_defaults(run=run_make_model)
+    generate = commands.add_parser("generate", help="generate text with the offline engine")
+    _add_generate_arguments(generate)
+    generate.set_defaults(run=_run_generate)
+    bench = commands.add_parser("bench", help="benchmark against Hugging Face on the shared-prefix workload")
+    add_bench_arguments(bench)
+    bench.set_defaults(run=run_bench)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Greedy generation equals Hugging Face transformers by teacher forcing, for every architecture,
+under every setting that changes how the KV cache is laid out or when tokens are computed."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import ARCHS
+from tests.e2e.prompts import test_prompts as make_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def generate_and_check(llm, oracle, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == prompt
+        for sample in out.outputs:
+            assert len(sample.token_ids) == params.max_tokens and sample.finish_reason == "length"
+            oracle.assert_greedy(prompt, sample.token_ids)
+    return outs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
+def test_greedy_matches_hf(arch, caching, model_dirs, hf_oracle):
+    prompts = make_prompts(model_dirs[arch])
+    with LLM(model=model_dirs[arch], enable_prefix_caching=caching) as llm:
+        first = generate_and_check(llm, hf_oracle(arch), prompts)
+        stats = llm.stats()
+        assert stats["num_blocks_in_use"] == 0
+        if caching:
+            assert stats["prefix_cache_hits"] >= 288  # the 300-token shared prefix, in blocks of 16
+            # a warm rerun: the same tokens, now mostly from the cache
+            again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+            assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+            assert llm.stats()["prefix_cache_hit_rate"] > 0.4
+        else:
+            assert stats["prefix_cache_queries"] == stats["prefix_cache_hits"] == 0
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_block_sizes(block_size, model_dirs, hf_oracle):
+    prompts = make_prompts(model_dirs["llama"])
+    with LLM(model=model_dirs["llama"], block_size=block_size) as llm:
+        generate_and_check(llm, hf_oracle("llama"), prompts)
+        assert llm.stats()["prefix_cache_hits"] % block_size == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption_and_chunked_prefill(arch, model_dirs, hf_oracle):
+    """A pool that holds ~1.3 long sequences and a 64-token budget: prompts are chunked, the newest
+    request is preempted and recomputed, and the tokens do not change."""
+    prompts = make_prompts(model_dirs[arch])
+    with LLM(model=model_dirs[arch], block_size=16, num_kv_blocks=48, max_model_len=520,
+             max_num_batched_tokens=64, max_num_seqs=8) as llm:
+        generate_and_check(llm, hf_oracle(arch), prompts)
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0
+        assert stats["num_blocks_in_use"] == 0
+
+
+def test_n_samples_share_the_prompt(model_dirs, hf_oracle):
+    prompts = make_prompts(model_dirs["llama"])[3:5]
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=12, ignore_eos=True)
+    for caching in (True, False):
+        with LLM(model=model_dirs["llama"], enable_prefix_caching=caching) as llm:
+            outs = generate_and_check(llm, hf_oracle("llama"), prompts, params)
+            for out in outs:
+                assert [s.index for s in out.outputs] == [0, 1, 2]
+                assert len({tuple(s.token_ids) for s in out.outputs}) == 1
+            stats = llm.stats()
+            assert stats["num_blocks_in_use"] == 0
+            # only the first sample of each prompt is a prefix-cache query
+            expected = sum(len(p) for p in prompts) if caching else 0
+            assert stats["prefix_cache_queries"] == expected
+
+
+def test_logprobs_match_hf_log_softmax(model_dirs, hf_oracle):
+    prompt = make_prompts(model_dirs["qwen2"])[2]
+    with LLM(model=model_dirs["qwen2"]) as llm:
+        out = llm.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, ignore_eos=True))[0]
+    sample = out.outputs[0]
+    assert len(sample.logprobs) == 6
+    reference = hf_oracle("qwen2").log_softmax(prompt + sample.token_ids)
+    for i, (token, lp) in enumerate(zip(sample.token_ids, sample.logprobs)):
+        row = reference[len(prompt) - 1 + i]
+        assert token in lp and len(lp) in (5, 6)
+        for token_id, value in lp.items():
+            assert abs(value - float(row[token_id])) < 1e-4
+        top5 = sorted((v for t, v in lp.items()), reverse=True)[:5]
+        assert top5 == pytest.approx(row.topk(5).values.tolist(), abs=1e-4)

@@ -1,0 +1,122 @@
+"""One tensor-parallel rank: device, process group, model shard, KV pool shard.
+
+A plain class: the in-process executor holds one directly, and the Ray worker actor (``cluster/``)
+is a thin wrapper around it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.messages import ModelRunnerOutput, SchedulerOutput
+from workers.model_runner import ModelRunner
+from workers.parallel_state import TPGroup
+
+# With no explicit KV size on CPU: this much memory at most, a quarter of what is free at least,
+# and no more blocks than this (a pool beyond it only grows the prefix cache, at Python cost).
+CPU_DEFAULT_KV_BYTES = 2 << 30
+CPU_DEFAULT_MAX_BLOCKS = 32768
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config: dict, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (fast there, and exact against the reference); on CUDA the
+    checkpoint's half type, or bfloat16 for a float32 checkpoint."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    configured = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    if configured in ("bfloat16", "float16"):
+        return getattr(torch, configured)
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.model.dtype, config.model.hf_config, self.device)
+        self.tp = TPGroup()
+        self.runner: ModelRunner | None = None
+        self._memory_at_start: tuple[int, int] | None = None  # CUDA (free, total) before loading
+
+    def init_device(self) -> None:
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+            self._memory_at_start = torch.cuda.mem_get_info(self.device)
+        tp_size = self.config.parallel.tensor_parallel_size
+        if tp_size > 1:
+            dist.init_process_group(
+                backend="nccl" if self.device.type == "cuda" else "gloo",
+                init_method=self.distributed_init_method, rank=self.rank, world_size=tp_size,
+            )
+            self.tp = TPGroup(self.rank, tp_size, dist.group.WORLD)
+        torch.manual_seed(self.config.seed)
+
+    def load_model(self) -> None:
+        self.runner = ModelRunner(self.config, self.tp, self.device, self.dtype)
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks this rank's pool can hold: from ``kv_cache_memory_bytes``, else on CUDA from
+        ``gpu_memory_utilization`` after a profiling forward, else the CPU default."""
+        cache = self.config.cache
+        spec = self.runner.kv_spec
+        if cache.kv_cache_memory_bytes is not None:
+            return spec.num_blocks_for(cache.kv_cache_memory_bytes)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.runner.profile_run()
+            torch.cuda.synchronize(self.device)
+            free_at_start, total = self._memory_at_start
+            used_by_others = total - free_at_start
+            peak = torch.cuda.max_memory_allocated(self.device)
+            budget = int(total * cache.gpu_memory_utilization) - used_by_others - peak
+            if budget < 2 * spec.bytes_per_block:
+                raise ValueError(
+                    f"no memory left for the KV cache: {total / 2**30:.1f} GiB x gpu_memory_utilization "
+                    f"{cache.gpu_memory_utilization} minus {used_by_others / 2**30:.1f} GiB used elsewhere "
+                    f"minus a peak of {peak / 2**30:.1f} GiB for weights and activations"
+                )
+            return spec.num_blocks_for(budget)
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(CPU_DEFAULT_KV_BYTES, free // 4)
+        return min(spec.num_blocks_for(budget), CPU_DEFAULT_MAX_BLOCKS)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+        self.num_kv_blocks = num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute_model(scheduler_output)
+
+    def kv_cache_info(self) -> dict:
+        spec = self.runner.kv_spec
+        return {
+            "kv_bytes_per_block_per_rank": spec.bytes_per_block,
+            "kv_pool_bytes_per_rank": spec.bytes_per_block * getattr(self, "num_kv_blocks", 0),
+            "kv_heads_per_rank": spec.num_kv_heads,
+            "kv_heads_replicated": spec.kv_heads_replicated,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+        }
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
