@@ -1,0 +1,57 @@
+"""CUDA paths: kernels against the naive reference on the device, the engine on GPU in float32 and
+bfloat16 against transformers, and KV sizing from gpu_memory_utilization. Run with `make test-gpu`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from kernels import paged_attention
+from kernels.reference import naive_causal_attention
+from tests.e2e.prompts import test_prompts as make_prompts
+from tests.kernels.test_attention import CASES, _build_step
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_paged_attention_on_cuda(dtype, tol):
+    specs = CASES["mixed"]
+    q, k, v, kp, vp, meta, fk, fv = _build_step(specs, 8, 2, 64, 16, dtype)
+    to = lambda t: t.cuda()  # noqa: E731
+    meta.slot_mapping, meta.decode_block_tables = to(meta.slot_mapping), to(meta.decode_block_tables)
+    meta.decode_seq_lens, meta.prefill_block_tables = to(meta.decode_seq_lens), to(meta.prefill_block_tables)
+    out = paged_attention(to(q), to(k), to(v), to(kp), to(vp), meta, 1 / math.sqrt(64)).cpu()
+    start = 0
+    for (_, ql), kk, vv in zip(specs, fk, fv):
+        ref = naive_causal_attention(q[start:start + ql].float(), kk.float(), vv.float(), 1 / math.sqrt(64))
+        torch.testing.assert_close(out[start:start + ql].float(), ref, atol=tol, rtol=tol)
+        start += ql
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-3), ("bfloat16", 0.25)])
+def test_engine_on_cuda_matches_hf(dtype, tol, model_dirs, hf_oracle):
+    prompts = make_prompts(model_dirs["llama"])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model=model_dirs["llama"], device="cuda", dtype=dtype, gpu_memory_utilization=0.3) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert llm.stats()["device"].startswith("cuda")
+    oracle = hf_oracle("llama")
+    for prompt, out in zip(prompts, outs):
+        oracle.assert_greedy(prompt, out.outputs[0].token_ids[:1 if dtype == "bfloat16" else None], tol=tol)
+
+
+def test_gpu_memory_utilization_sizes_the_pool(model_dirs):
+    total = torch.cuda.mem_get_info()[1]
+    with LLM(model=model_dirs["llama"], device="cuda", gpu_memory_utilization=0.2) as llm:
+        stats = llm.stats()
+    pool = stats["kv_pool_bytes_per_rank"]
+    assert 0.1 * total < pool <= 0.2 * total, (pool, total)

@@ -1,0 +1,45 @@
+"""The layering rules of docs/architecture.md, checked on the source."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = {"engine", "workers", "cluster", "kernels", "api", "benchmarks", "serve_app"}
+
+
+def imported_modules(package: str) -> dict[str, set[str]]:
+    """file -> top-level modules it imports (anywhere in the file, lazy imports included)."""
+    result = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+        result[str(path.relative_to(ROOT))] = names
+    return result
+
+
+def test_engine_imports_neither_torch_nor_ray():
+    for path, names in imported_modules("engine").items():
+        assert not names & {"torch", "ray", "transformers"}, f"{path} imports {names & {'torch', 'ray'}}"
+        assert not names & (PROJECT - {"engine"}), f"{path} imports {names & PROJECT} (executors go by name)"
+    code = "import sys, engine; from engine import LLM, AsyncLLM; print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_kernels_import_nothing_of_the_project():
+    for path, names in imported_modules("kernels").items():
+        assert not names & (PROJECT - {"kernels"}), f"{path} imports {names & PROJECT}"
+
+
+def test_only_the_cluster_layer_imports_ray():
+    for package in ("engine", "workers", "kernels", "benchmarks"):
+        for path, names in imported_modules(package).items():
+            assert "ray" not in names, f"{path} imports ray"
