@@ -19,7 +19,12 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int]) -> None:
         self._backend = tokenizer.backend
-        self._stream = DecodeStream(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:], params.skip_special_tokens)
+        # Prime the stream by stepping through the prompt's tail, from a character boundary: a stream
+        # built with ``ids=`` hands that context's text back with the first output token when the prompt
+        # ends inside a character, and a tail that starts inside one leaves its stray bytes in the output.
+        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        for token_id in self._prompt_context(prompt_token_ids, params.skip_special_tokens):
+            self._stream.step(self._backend, token_id)
         self._stop = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
@@ -28,12 +33,26 @@ class IncrementalDetokenizer:
         self.num_tokens = 0
         self.num_chars_sent = 0
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Decode ``new_token_ids``; returns the stop string that ended the text, if any."""
+    def _prompt_context(self, prompt_token_ids: list[int], skip_special_tokens: bool) -> list[int]:
+        """The prompt's last few tokens, starting where a character starts."""
+        start = max(0, len(prompt_token_ids) - _PROMPT_CONTEXT_TOKENS)
+        for s in range(start, max(0, start - _PROMPT_CONTEXT_TOKENS) - 1, -1):
+            if not self._backend.decode(prompt_token_ids[s:], skip_special_tokens).startswith("\ufffd"):
+                return prompt_token_ids[s:]
+        return prompt_token_ids[start:]
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Decode ``new_token_ids``; returns the stop string that ended the text, if any.
+
+        ``stop_terminated``: the last token is a stop token (eos or a stop_token_id); as in vLLM, its
+        text is left out unless ``include_stop_str_in_output``."""
         start = len(self.text)
-        for token_id in new_token_ids:
-            piece = self._stream.step(self._backend, token_id)
+        skip_last = stop_terminated and not self._include_stop
+        for i, token_id in enumerate(new_token_ids):
             self.num_tokens += 1
+            if skip_last and i == len(new_token_ids) - 1:
+                break
+            piece = self._stream.step(self._backend, token_id)
             if piece:
                 self.text += piece
         if not self._stop or self.num_tokens <= self._min_tokens or len(self.text) == start:

@@ -88,12 +88,13 @@ class OutputProcessor:
             sample.token_ids.extend(out.new_token_ids)
             if sample.logprobs is not None and out.new_logprobs is not None:
                 sample.logprobs.append(out.new_logprobs)
-            stop_string = sample.detokenizer.update(out.new_token_ids)
-            if out.finish_reason is not None:
-                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-            elif stop_string is not None:
+            stop_string = sample.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
+            if stop_string is not None:  # it cut the text, so it is the reason even on the last token
                 sample.finish_reason, sample.stop_reason = "stop", stop_string
-                stopped.append(out.req_id)
+                if out.finish_reason is None:
+                    stopped.append(out.req_id)
+            elif out.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             if sample.finish_reason is not None:
                 del self._by_sample_id[out.req_id]
             touched[state.request_id] = state

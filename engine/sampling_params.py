@@ -20,7 +20,7 @@ class RequestOutputKind(Enum):
 class SamplingParams:
     """How to pick tokens and when to stop. Defaults follow the OpenAI / vLLM conventions.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters. ``seed``
+    ``temperature == 0`` is greedy. ``top_k`` 0 or -1 and ``top_p == 1`` disable those filters. ``seed``
     makes a request's samples independent of whatever else shares its batch. ``logprobs = k`` returns,
     per generated token, the log-probabilities of the k most likely tokens plus the chosen one.
     """
@@ -49,7 +49,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
-        if self.top_k < 0:
+        if self.top_k == -1:
             self.top_k = 0
         self._validate()
         if self.temperature < _GREEDY_TEMPERATURE:
@@ -64,7 +64,8 @@ class SamplingParams:
         check(math.isfinite(self.temperature) and self.temperature >= 0,
               f"temperature must be >= 0, got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        check(isinstance(self.top_k, int), f"top_k must be an integer, got {self.top_k!r}")
+        check(isinstance(self.top_k, int) and self.top_k >= 0,
+              f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),

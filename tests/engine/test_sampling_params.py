@@ -1,0 +1,80 @@
+"""SamplingParams: every validation rule raises a ValueError that names the offending field, and the
+normalisations users rely on (temperature 0 is greedy, top_k -1 is "no top-k", per-child seeds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS
+
+INVALID = [
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.1), "min_p"),
+    (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(n=0), "n must"),
+    (dict(stop=""), "stop"),
+    (dict(stop=["ok", ""]), "stop"),
+    (dict(stop_token_ids=[3, -1]), "stop_token_ids"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", INVALID, ids=[repr(k) for k, _ in INVALID])
+def test_invalid_values_raise_a_clear_value_error(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_tokens=1), dict(max_tokens=None), dict(top_p=1.0), dict(top_p=1e-9), dict(min_p=0.0),
+    dict(min_p=1.0), dict(logprobs=0), dict(logprobs=MAX_LOGPROBS), dict(min_tokens=4, max_tokens=4),
+    dict(min_tokens=10, max_tokens=None), dict(stop_token_ids=[0]), dict(temperature=0.0),
+])
+def test_boundary_values_are_accepted(kwargs):
+    params = SamplingParams(**kwargs)
+    for key, value in kwargs.items():
+        if key != "temperature":
+            assert getattr(params, key) == value
+
+
+def test_a_single_stop_string_becomes_a_list():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams().stop == [] and SamplingParams().stop_token_ids == []
+
+
+def test_temperature_zero_is_greedy_and_drops_the_filters():
+    params = SamplingParams(temperature=0.0, top_p=0.5, top_k=7, min_p=0.3)
+    assert params.is_greedy
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.0, 1.0, 0, 0.0)
+    assert not SamplingParams(temperature=0.7).is_greedy
+    assert not SamplingParams().is_greedy  # the default temperature is 1.0, as in vLLM / OpenAI
+
+
+def test_top_k_minus_one_means_disabled():
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(top_k=5).top_k == 5
+
+
+def test_for_child_gives_distinct_seeds_and_n_one():
+    params = SamplingParams(n=4, seed=123, temperature=0.8, top_p=0.9, max_tokens=7, stop=["x"])
+    children = [params.for_child(i) for i in range(params.n)]
+    assert len({c.seed for c in children}) == 4
+    assert all(c.n == 1 for c in children)
+    for child in children:  # everything else is inherited
+        assert (child.temperature, child.top_p, child.max_tokens, child.stop) == (0.8, 0.9, 7, ["x"])
+    assert params.n == 4 and params.seed == 123  # the parent is untouched
+    unseeded = SamplingParams(n=3)
+    assert [unseeded.for_child(i).seed for i in range(3)] == [None, None, None]
