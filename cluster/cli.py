@@ -38,6 +38,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.cli import add_bench_arguments, run_bench
+    from benchmarks.tensor_parallel import add_bench_tp_arguments, run_bench_tp
     from workers.model_builder import add_make_model_arguments, run_make_model
 
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference on Ray")
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="benchmark against Hugging Face on the shared-prefix workload")
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
+    bench_tp = commands.add_parser("bench-tp", help="TP=1 in-process against TP=N on Ray worker actors")
+    add_bench_tp_arguments(bench_tp)
+    bench_tp.set_defaults(run=run_bench_tp)
     args = parser.parse_args(argv)
     return args.run(args)
 

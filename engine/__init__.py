@@ -1,9 +1,9 @@
 """The engine: scheduling, the paged KV cache's block tables, prefix caching, sampling parameters and
 outputs. Pure Python: it imports neither torch nor ray (executors are loaded by name)."""
 
-from engine.async_engine import AsyncLLM, EngineDeadError
+from engine.async_engine import AsyncLLM
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.core import EngineCore
+from engine.core import EngineCore, EngineDeadError
 from engine.llm import LLM, engine_config
 from engine.messages import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams

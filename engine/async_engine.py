@@ -18,15 +18,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, PromptType
+from engine.core import EngineCore, EngineDeadError, PromptType
 from engine.messages import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop failed; requests in flight were ended with this error."""
 
 
 class AsyncLLM:
@@ -51,6 +47,7 @@ class AsyncLLM:
         leaving the iteration early (a client that went away) aborts the request."""
         params = dataclasses.replace(sampling_params or SamplingParams(), output_kind=output_kind)
         text, token_ids = self.core.process_inputs(prompt)
+        self.core.check_sampling_params(params)
         if not request_id or request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is empty or already in use")
         queue: asyncio.Queue = asyncio.Queue()
@@ -91,7 +88,10 @@ class AsyncLLM:
                 except ValueError as exc:
                     self._queues[request_id].put_nowait(exc)
             else:
-                self.core.abort_request(command[1])
+                output = self.core.abort_request(command[1])
+                queue = self._queues.get(command[1])
+                if output is not None and queue is not None:
+                    queue.put_nowait(output)  # ends the stream with finish_reason "abort"
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -106,7 +106,8 @@ class AsyncLLM:
                 outputs = await loop.run_in_executor(self._step_thread, self.core.step)
             except Exception as exc:
                 logger.exception("engine step failed")
-                self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+                self._fail_all(exc if isinstance(exc, EngineDeadError) else
+                               EngineDeadError(f"engine step failed: {exc!r}"))
                 continue
             for output in outputs:
                 queue = self._queues.get(output.request_id)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+TP_DISPATCH = ("remote", "compiled")
 
 
 def _read_json(path: Path) -> dict:
@@ -111,14 +112,20 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """``tp_dispatch``: how each step reaches the Ray ranks, "remote" (one actor call per rank) or
+    "compiled" (a Ray Compiled Graph over shared-memory channels)."""
+
     tensor_parallel_size: int = 1
     placement_strategy: str = "STRICT_PACK"
+    tp_dispatch: str = "remote"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}")
+        if self.tp_dispatch not in TP_DISPATCH:
+            raise ValueError(f"tp_dispatch must be one of {TP_DISPATCH}, got {self.tp_dispatch!r}")
 
 
 @dataclass(frozen=True)

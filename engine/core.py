@@ -7,10 +7,11 @@ caller and never disturbs the step loop.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from engine.config import EngineConfig
-from engine.executor import Executor, create_executor
+from engine.executor import Executor, WorkerFailedError, create_executor
 from engine.messages import RequestOutput
 from engine.metrics import StepTimings
 from engine.output_processor import OutputProcessor
@@ -19,7 +20,13 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 PromptType = str | list[int]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run steps any more (its workers are gone); requests in flight fail with it."""
 
 
 class EngineCore:
@@ -46,6 +53,7 @@ class EngineCore:
         self.outputs = OutputProcessor(self.tokenizer)
         self.timings = StepTimings()
         self._eos_token_ids = frozenset(config.model.eos_token_ids)
+        self.num_worker_restarts = 0
 
     def _check_pool_fits(self, num_blocks: int) -> None:
         block_size, max_len = self.config.cache.block_size, self.config.max_model_len
@@ -75,6 +83,13 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         return text, token_ids
 
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for what SamplingParams cannot check alone: token ids outside the vocab
+        (a stop token id past the vocab would crash the sampler's min_tokens mask mid-step)."""
+        vocab_size = self.config.model.vocab_size
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+
     def add_request(
         self,
         request_id: str,
@@ -102,6 +117,7 @@ class EngineCore:
         requests that share the prompt's blocks once the first has computed them."""
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_sampling_params(params)
         arrival_time = time.time() if arrival_time is None else arrival_time
         max_len = self.config.max_model_len
         max_tokens = max(1, min(params.max_tokens or max_len, max_len - len(prompt_token_ids)))
@@ -133,14 +149,31 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        runner_output = self.executor.execute_model(scheduler_output)
+        execute_start = time.perf_counter()
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except WorkerFailedError as exc:
+            self._recover(exc)
+            return []
+        execute_wall = time.perf_counter() - execute_start
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         request_outputs, stopped = self.outputs.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.timings.record(time.perf_counter() - start, runner_output.forward_time_s,
-                            runner_output.execute_time_s)
+                            runner_output.execute_time_s, execute_wall - runner_output.execute_time_s)
         return request_outputs
+
+    def _recover(self, failure: WorkerFailedError) -> None:
+        """Rebuild the ranks and recompute every running request; the step that failed is lost
+        whole (its tokens were never appended). Raises EngineDeadError if the ranks cannot be rebuilt."""
+        logger.warning("engine step failed (%s); restarting the workers", failure)
+        try:
+            self.executor.restart()
+        except Exception as exc:
+            raise EngineDeadError(f"the workers failed ({failure}) and could not be restarted: {exc}") from exc
+        self.scheduler.recompute_all()
+        self.num_worker_restarts += 1
 
     # --- introspection ------------------------------------------------------------------------------
 
@@ -165,7 +198,9 @@ class EngineCore:
             "num_steps": self.timings.num_steps,
             "step_time_s": self.timings.step_time_s,
             "forward_time_s": self.timings.forward_time_s,
+            "dispatch_time_s": self.timings.dispatch_time_s,
             "engine_overhead_fraction": self.timings.overhead_fraction,
+            "num_worker_restarts": self.num_worker_restarts,
             **self.executor.kv_cache_info(),
         }
 

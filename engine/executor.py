@@ -15,6 +15,10 @@ EXECUTORS = {
 }
 
 
+class WorkerFailedError(RuntimeError):
+    """A rank died or failed mid-step; the executor may be able to ``restart``."""
+
+
 class Executor(ABC):
     """The ranks of one engine instance, driven one step at a time."""
 
@@ -29,6 +33,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; rank 0's sampled tokens come back."""
+
+    def restart(self) -> None:
+        """Replace lost ranks with fresh ones holding an empty pool of the same size."""
+        raise WorkerFailedError(f"{type(self).__name__} cannot replace its ranks")
 
     def kv_cache_info(self) -> dict:
         """Pool geometry and bytes per rank (for stats and docs)."""

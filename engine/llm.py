@@ -35,6 +35,7 @@ def engine_config(
     seed: int = 0,
     device: str = "auto",
     placement_strategy: str = "STRICT_PACK",
+    tp_dispatch: str = "remote",
 ) -> EngineConfig:
     """An ``EngineConfig`` from the flat keyword arguments users know from vLLM."""
     return EngineConfig(
@@ -42,7 +43,7 @@ def engine_config(
         cache=CacheConfig(block_size, enable_prefix_caching, num_kv_blocks, kv_cache_memory_bytes,
                           gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-        parallel=ParallelConfig(tensor_parallel_size, placement_strategy),
+        parallel=ParallelConfig(tensor_parallel_size, placement_strategy, tp_dispatch),
         device=device,
         seed=seed,
     )
@@ -84,6 +85,8 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         processed = [self.core.process_inputs(self._prompt_input(p)) for p in prompts]
+        for p in params:
+            self.core.check_sampling_params(p)
         request_ids = [str(next(self._ids)) for _ in prompts]
         for request_id, (text, token_ids), p in zip(request_ids, processed, params):
             self.core.add_processed_request(request_id, text, token_ids, p, cache_salt=cache_salt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass, field
 
 # seconds; the same spirit as vLLM's buckets, so dashboards carry over
@@ -52,18 +53,23 @@ class SchedulerStats:
 
 @dataclass
 class StepTimings:
-    """Where step time goes: total step wall time vs the model forward inside it."""
+    """Where step time goes: the whole step, the model forward on rank 0, rank 0's execute call, and
+    the dispatch (the executor's call minus rank 0's own work: messaging to and from the ranks)."""
 
     num_steps: int = 0
     step_time_s: float = 0.0
     forward_time_s: float = 0.0
     execute_time_s: float = 0.0
+    dispatch_time_s: float = 0.0
+    dispatch_samples: deque = field(default_factory=lambda: deque(maxlen=4096))
 
-    def record(self, step_s: float, forward_s: float, execute_s: float) -> None:
+    def record(self, step_s: float, forward_s: float, execute_s: float, dispatch_s: float) -> None:
         self.num_steps += 1
         self.step_time_s += step_s
         self.forward_time_s += forward_s
         self.execute_time_s += execute_s
+        self.dispatch_time_s += dispatch_s
+        self.dispatch_samples.append(dispatch_s)
 
     @property
     def overhead_fraction(self) -> float:

@@ -187,15 +187,24 @@ class Scheduler:
         request.num_tokens_sent, request.num_blocks_sent = request.num_tokens, len(table)
         return data
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, counted: bool = True) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_tokens_sent = request.num_blocks_sent = 0
-        request.num_preemptions += 1
-        self.stats.num_preemptions += 1
+        if counted:
+            request.num_preemptions += 1
+            self.stats.num_preemptions += 1
         self._dropped_ids.add(request.request_id)
         self.waiting.appendleft(request)
+
+    def recompute_all(self) -> None:
+        """The ranks were replaced and the KV pool is empty: every running request goes back to the
+        head of the queue to be recomputed (keeping its tokens), and the prefix cache is forgotten."""
+        while self.running:
+            self._preempt(self.running.pop(), counted=False)
+        self.kv.reset_prefix_cache()
+        self._dropped_ids = set()  # the new ranks hold nothing to drop
 
     # --- after the step ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ is a thin wrapper around it.
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -66,6 +67,7 @@ class Worker:
             dist.init_process_group(
                 backend="nccl" if self.device.type == "cuda" else "gloo",
                 init_method=self.distributed_init_method, rank=self.rank, world_size=tp_size,
+                timeout=datetime.timedelta(seconds=float(os.environ.get("KVSERVE_DIST_TIMEOUT_S", "120"))),
             )
             self.tp = TPGroup(self.rank, tp_size, dist.group.WORLD)
         torch.manual_seed(self.config.seed)

@@ -1,0 +1,57 @@
+"""The Ray executor: tensor-parallel ranks as Ray actors, rebuilt when one of them dies."""
+
+from __future__ import annotations
+
+import logging
+
+from cluster.ray_env import ensure_ray
+from cluster.worker_group import WorkerGroup
+from engine.config import EngineConfig
+from engine.executor import Executor
+from engine.messages import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        ensure_ray(min_cpus=config.parallel.tensor_parallel_size + 2)
+        self.config = config
+        self.group = WorkerGroup(config)
+        self.num_blocks: int | None = None
+        self.num_restarts = 0
+        self._kv_cache_info: dict = {}
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.group.determine_num_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.group.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        self._kv_cache_info = self._collect_kv_cache_info()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.group.execute_model(scheduler_output)
+
+    def restart(self) -> None:
+        """Replace the whole group (the survivors' KV is useless without the lost shard)."""
+        logger.warning("rebuilding the tensor-parallel worker group")
+        self.group.kill()
+        self.group = WorkerGroup(self.config)
+        self.initialize_kv_cache(self.num_blocks)
+        self.num_restarts += 1
+
+    def worker_pids(self) -> list[int]:
+        return self.group.pids()
+
+    def _collect_kv_cache_info(self) -> dict:
+        ranks = self.group.kv_cache_info()
+        return {**ranks[0], "kv_pool_bytes_by_rank": [r["kv_pool_bytes_per_rank"] for r in ranks],
+                "worker_nodes": [info["node_id"] for info in self.group.node_info]}
+
+    def kv_cache_info(self) -> dict:
+        return self._kv_cache_info
+
+    def shutdown(self) -> None:
+        if self.group.actors:
+            self.group.shutdown()

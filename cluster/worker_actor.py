@@ -1,0 +1,55 @@
+"""The Ray actor around one tensor-parallel rank (``workers.worker.Worker``): a thin wrapper."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+import torch
+
+from engine.config import EngineConfig
+from engine.messages import ModelRunnerOutput, SchedulerOutput
+from workers.worker import Worker
+
+
+class WorkerActor:
+    def __init__(self, config: EngineConfig, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.worker: Worker | None = None
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+        torch.set_num_threads(max(1, int(cpus)))  # Ray pins OMP_NUM_THREADS=1 in actors
+
+    def node_info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
+                "ip": ray.util.get_node_ip_address(), "gpu_ids": ray.get_gpu_ids()}
+
+    def rendezvous_address(self) -> str:
+        """Rank 0 picks the process group's address: this node's IP and a port free right now."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            return f"tcp://{ip}:{s.getsockname()[1]}"
+
+    def start(self, init_method: str) -> None:
+        self.worker = Worker(self.config, self.rank, init_method)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.worker.determine_num_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(scheduler_output)
+
+    def kv_cache_info(self) -> dict:
+        return self.worker.kv_cache_info()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

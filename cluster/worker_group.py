@@ -1,0 +1,118 @@
+"""The tensor-parallel ranks of one engine instance: actors in a placement group, their process
+group, and the per-step dispatch.
+
+    scheduler ──execute_model(SchedulerOutput)──► rank 0 … rank N-1    (same plan to every rank)
+              ◄────────── ModelRunnerOutput ──── rank 0                 (the others return None)
+
+A step waits for every rank, polling so that a rank that dies is noticed within a second even
+while the survivors block in a collective; the group is then killed whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.placement import create_placement_group
+from cluster.ray_env import cluster_has_gpus
+from cluster.worker_actor import WorkerActor
+from engine.config import EngineConfig
+from engine.executor import WorkerFailedError
+from engine.messages import ModelRunnerOutput, SchedulerOutput
+
+POLL_S = 1.0  # how often a step waiting on the ranks checks whether one of them has died
+
+
+class WorkerGroup:
+    def __init__(self, config: EngineConfig, *, step_timeout_s: float = 600.0, placement_timeout_s: float = 60.0):
+        self.num_ranks = config.parallel.tensor_parallel_size
+        self.use_gpu = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
+        self.config = dataclasses.replace(config, device="cuda" if self.use_gpu else "cpu")
+        self.step_timeout_s = step_timeout_s
+        self.placement_group = create_placement_group(
+            self.num_ranks, self.use_gpu, config.parallel.placement_strategy, placement_timeout_s)
+        actor_cls = ray.remote(WorkerActor)
+        self.actors = [
+            actor_cls.options(
+                num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
+            ).remote(self.config, rank)
+            for rank in range(self.num_ranks)
+        ]
+        self.dispatch = config.parallel.tp_dispatch
+        self._compiled = None
+        try:
+            init_method = ray.get(self.actors[0].rendezvous_address.remote())
+            self._call_all("start", init_method)
+            self.node_info = self._call_all("node_info")
+        except BaseException:
+            self.kill()
+            raise
+
+    def _call_all(self, method: str, *args):
+        return self._wait_all([getattr(a, method).remote(*args) for a in self.actors])
+
+    def _wait_all(self, refs: list) -> list:
+        """Results of every rank; WorkerFailedError as soon as any rank fails or dies."""
+        deadline = time.monotonic() + self.step_timeout_s
+        while True:
+            ready, pending = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
+            try:
+                if not pending:
+                    return ray.get(refs)
+                ray.get(ready)  # raises if a finished rank failed
+            except (RayActorError, RayTaskError) as exc:
+                raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(f"ranks {sorted(refs.index(r) for r in pending)} did not finish a "
+                                        f"call within {self.step_timeout_s:g}s")
+
+    def determine_num_kv_blocks(self) -> int:
+        return min(self._call_all("determine_num_kv_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.dispatch == "compiled":
+            return self._execute_compiled(scheduler_output)
+        return self._call_all("execute_model", scheduler_output)[0]
+
+    def _execute_compiled(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The same step through a Ray Compiled Graph (shared-memory channels, no per-call task)."""
+        if self._compiled is None:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as plan:
+                dag = MultiOutputNode([a.execute_model.bind(plan) for a in self.actors])
+            self._compiled = dag.experimental_compile()
+        try:
+            return ray.get(self._compiled.execute(scheduler_output), timeout=self.step_timeout_s)[0]
+        except Exception as exc:
+            raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
+
+    def kv_cache_info(self) -> list[dict]:
+        return self._call_all("kv_cache_info")
+
+    def pids(self) -> list[int]:
+        return [info["pid"] for info in self.node_info]
+
+    def shutdown(self) -> None:
+        try:
+            ray.wait([a.shutdown.remote() for a in self.actors], num_returns=len(self.actors), timeout=10)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self._compiled is not None:
+            self._compiled.teardown()
+            self._compiled = None
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        remove_placement_group(self.placement_group)

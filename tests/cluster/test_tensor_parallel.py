@@ -1,0 +1,133 @@
+"""Tensor parallelism over Ray worker actors: outputs equal to Hugging Face (and to TP=1) for every
+architecture, KV heads replicated at TP=4, preemption and chunked prefill at TP=2, the per-rank KV
+memory, placement errors, and the scheduler actor."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.placement import PlacementError
+from engine import LLM, SamplingParams, engine_config
+from tests.conftest import ARCHS
+from tests.e2e.prompts import test_prompts as make_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def generate(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(model_dirs):
+    """Greedy tokens at TP=1, per arch, for the standard prompts."""
+    result = {}
+    for arch in ARCHS:
+        with LLM(model=model_dirs[arch]) as llm:
+            result[arch] = generate(llm, make_prompts(model_dirs[arch]))
+    return result
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp2_matches_hf_and_tp1(arch, ray_cluster, model_dirs, hf_oracle, tp1_tokens):
+    prompts = make_prompts(model_dirs[arch])
+    with LLM(model=model_dirs[arch], tensor_parallel_size=2) as llm:
+        tokens = generate(llm, prompts)
+        stats = llm.stats()
+    assert tokens == tp1_tokens[arch]
+    for prompt, out in zip(prompts, tokens):
+        hf_oracle(arch).assert_greedy(prompt, out)
+    assert stats["num_blocks_in_use"] == 0 and stats["prefix_cache_hits"] > 0
+
+
+def test_tp4_replicates_kv_heads(ray_cluster, model_dirs, hf_oracle, tp1_tokens):
+    """llama tiny has 4 heads and 2 KV heads: at TP=4 each rank holds one query head and a copy of
+    one KV head, so a rank's pool is half (not a quarter) of the TP=1 pool."""
+    prompts = make_prompts(model_dirs["llama"])
+    with LLM(model=model_dirs["llama"], num_kv_blocks=256) as llm1:
+        tp1 = llm1.stats()
+    with LLM(model=model_dirs["llama"], tensor_parallel_size=4, num_kv_blocks=256) as llm:
+        tokens = generate(llm, prompts)
+        stats = llm.stats()
+    assert tokens == tp1_tokens["llama"]
+    for prompt, out in zip(prompts, tokens):
+        hf_oracle("llama").assert_greedy(prompt, out)
+    assert stats["kv_heads_replicated"] is True and stats["kv_heads_per_rank"] == 1
+    assert stats["kv_pool_bytes_by_rank"] == [tp1["kv_pool_bytes_per_rank"] // 2] * 4
+
+
+def test_tp2_pool_is_half_per_rank_and_stress(ray_cluster, model_dirs, hf_oracle):
+    """Small pool and budget at TP=2: preemption and chunked prefill, tokens unchanged; each rank
+    holds exactly half of the TP=1 pool."""
+    prompts = make_prompts(model_dirs["qwen2"])
+    kwargs = dict(block_size=16, num_kv_blocks=48, max_model_len=520, max_num_batched_tokens=64)
+    with LLM(model=model_dirs["qwen2"], **kwargs) as llm1:
+        tp1_tokens, tp1 = generate(llm1, prompts), llm1.stats()
+    with LLM(model=model_dirs["qwen2"], tensor_parallel_size=2, **kwargs) as llm:
+        tokens, stats = generate(llm, prompts), llm.stats()
+    assert tokens == tp1_tokens
+    for prompt, out in zip(prompts, tokens):
+        hf_oracle("qwen2").assert_greedy(prompt, out)
+    assert stats["num_preemptions"] > 0 and stats["num_preemptions"] == tp1["num_preemptions"]
+    assert stats["prefix_cache_hit_rate"] == tp1["prefix_cache_hit_rate"]
+    assert stats["kv_pool_bytes_by_rank"] == [tp1["kv_pool_bytes_per_rank"] // 2] * 2
+    assert stats["num_blocks_in_use"] == 0
+
+
+def test_placement_that_cannot_fit_fails_fast(ray_cluster, model_dirs):
+    with pytest.raises(PlacementError, match="STRICT_PACK"):
+        LLM(model=model_dirs["llama"], tensor_parallel_size=16)
+
+
+def test_scheduler_actor_streams_and_aborts(ray_cluster, model_dirs):
+    import ray
+
+    from cluster.scheduler_actor import launch_scheduler_actor
+
+    actor = launch_scheduler_actor(engine_config(model_dirs["opt"], tensor_parallel_size=2))
+    prompt = make_prompts(model_dirs["opt"])[2]
+
+    async def stream(request_id, max_tokens, stop_after=None):
+        tokens = []
+        gen = actor.generate.remote(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                        ignore_eos=True))
+        async for ref in gen:
+            out = await ref
+            tokens += out.outputs[0].token_ids if out.outputs else []
+            if stop_after is not None and len(tokens) >= stop_after:
+                ray.cancel(gen)
+                break
+        return tokens
+
+    async def main():
+        full, partial = await asyncio.gather(stream("a", 12), stream("b", 200, stop_after=3))
+        return full, partial
+
+    full, partial = asyncio.run(main())
+    with LLM(model=model_dirs["opt"]) as llm:
+        assert full == generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert partial == full[: len(partial)]
+    with pytest.raises(ValueError, match="max_model_len"):
+        ray.get(actor.generate_full.remote("bad", [5] * 5000))
+    for _ in range(100):  # the cancelled request is aborted and its blocks freed
+        stats = ray.get(actor.stats.remote())
+        if stats["num_requests_running"] == 0:
+            break
+    assert stats["num_blocks_in_use"] == 0 and stats["num_requests_running"] == 0
+    ray.get(actor.shutdown.remote())
+    ray.kill(actor)
+
+
+def test_bench_tp_smoke_covers_both_dispatch_modes(ray_cluster, model_dirs):
+    from benchmarks.tensor_parallel import bench_tp, format_tp_report
+
+    report = bench_tp(model_dirs["llama"], [1, 2], ["remote", "compiled"], num_requests=2, prompt_len=16,
+                      output_len=4)
+    assert report["same_tokens"] is True
+    assert [(r["tp"], r["dispatch"]) for r in report["runs"]] == [(1, "in-process"), (2, "remote"), (2, "compiled")]
+    for run in report["runs"]:
+        assert run["startup_s"] > 0 and run["output_tokens_per_s"] > 0
+        assert 0 <= run["dispatch_us_median"] <= run["dispatch_us_p90"]
+    assert "| 2 | compiled |" in format_tp_report(report)
