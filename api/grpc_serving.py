@@ -1,0 +1,269 @@
+"""The KVServe gRPC service on any engine client: protobuf in, engine request, protobuf out.
+
+Engine-agnostic: it needs an ``api.engine_client.EngineClient`` (an in-process ``AsyncLLM`` through
+``AsyncLLMClient``, or the Serve app's client of its scheduler actors) and the model's ``Tokenizer``::
+
+    GenerateRequest ─request_to_engine─► (prompt ids, SamplingParams, cache_salt)
+        ─client.generate─► RequestOutput deltas ─► GenerateResponse per delta (stream) or merged (unary)
+
+Errors become gRPC status codes (``grpc_status``): ValueError → INVALID_ARGUMENT, EngineOverloadedError →
+RESOURCE_EXHAUSTED, EngineDeadError → UNAVAILABLE, anything else → INTERNAL. ``generate`` and
+``generate_stream`` take the RPC's context and report errors on it (``abort_with_status``):
+
+- a plain ``grpc.aio`` servicer context: ``await context.abort(code, details)``;
+- Ray Serve's ``RayServegRPCContext`` (the ``grpc_context`` argument of a Serve ingress method; it has
+  ``set_code``/``set_details`` but no ``abort``): the code and details are set, then the exception is
+  re-raised. Serve's replica wraps an exception raised with a code set into ``gRPCStatusError``, and the
+  proxy answers with that code and details. Raising matters on a stream: the proxy copies the context
+  onto the call only along with a message, so a code set before returning would be lost;
+- no context (a Python caller, a Serve handle call): the exception propagates.
+
+A Serve ingress method is then two lines::
+
+    async def GenerateStream(self, request, grpc_context=None):
+        async for message in generate_stream(request, self.client, self.tokenizer, grpc_context):
+            yield message
+
+Whenever the consumer leaves before the engine finished (client cancel, deadline, disconnect), the
+request is aborted in the engine. Behind Ray Serve's gRPC proxy (2.60) that needs the proxy to cancel
+the replica call; it does not when the client's cancel lands while the proxy is sending a message
+(its ``send_request_to_replica`` catches the GeneratorExit), and the request then runs to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
+
+import grpc
+
+from api import kvserve_pb2 as pb
+from api import kvserve_pb2_grpc
+from api.engine_client import EngineClient
+from engine.core import EngineDeadError, EngineOverloadedError
+from engine.messages import CompletionOutput, RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16  # as OpenAI's completions API
+
+
+# --- protobuf -> engine --------------------------------------------------------------------------------
+
+
+def _field(message: Any, name: str, default: Any) -> Any:
+    return getattr(message, name) if message.HasField(name) else default
+
+
+def sampling_params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
+    """Unset optional fields take the OpenAI defaults; SamplingParams validates (ValueError)."""
+    return SamplingParams(
+        n=_field(p, "n", 1), temperature=_field(p, "temperature", 1.0), top_p=_field(p, "top_p", 1.0),
+        top_k=p.top_k, min_p=p.min_p, seed=_field(p, "seed", None),
+        max_tokens=_field(p, "max_tokens", DEFAULT_MAX_TOKENS), min_tokens=p.min_tokens,
+        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=_field(p, "skip_special_tokens", True), logprobs=_field(p, "logprobs", None),
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=_field(p, "repetition_penalty", 1.0), output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def request_to_engine(req: pb.GenerateRequest, tokenizer: Tokenizer) -> tuple[list[int], SamplingParams, str | None]:
+    """(prompt token ids, sampling params, cache salt or None). Raises ValueError for a missing or
+    empty prompt and for invalid parameters; the engine checks the rest (length, vocab range)."""
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        if not req.text:
+            raise ValueError("the prompt text is empty")
+        token_ids = tokenizer.encode(req.text)
+    elif kind == "token_ids":
+        token_ids = list(req.token_ids.ids)
+    else:
+        raise ValueError("the request has no prompt: set `text` or `token_ids`")
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    return token_ids, sampling_params_from_proto(req.params), req.cache_salt or None
+
+
+# --- engine -> protobuf --------------------------------------------------------------------------------
+
+
+def _completion_to_proto(c: CompletionOutput, num_top_logprobs: int) -> pb.Completion:
+    message = pb.Completion(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason or "")
+    if isinstance(c.stop_reason, str):
+        message.stop_string = c.stop_reason
+    elif isinstance(c.stop_reason, int):
+        message.stop_token_id = c.stop_reason
+    for token_id, candidates in zip(c.token_ids, c.logprobs or []):
+        ranked = sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top_logprobs]
+        message.logprobs.append(pb.TokenLogprob(
+            token_id=token_id, logprob=candidates.get(token_id, float("nan")),
+            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in ranked]))
+    return message
+
+
+async def _close(stream: Any) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:
+            logger.exception("closing an engine stream failed")
+
+
+async def _engine_outputs(client: EngineClient, request_id: str, prompt_token_ids: list[int],
+                          params: SamplingParams, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
+    """The request's outputs until it finishes. If the consumer leaves first (closes this generator,
+    or is cancelled while it waits), the request is aborted. When the engine ends the stream itself
+    (finished, or raised: a bad request, a duplicate id) nothing is aborted: an abort of a request id
+    the engine refused would hit another request that holds it."""
+    stream = client.generate(request_id, prompt_token_ids, params, cache_salt)
+    ended = False
+    try:
+        while not ended:
+            try:
+                output = await stream.__anext__()
+            except StopAsyncIteration:
+                ended = True
+                return
+            except Exception:
+                ended = True
+                raise
+            ended = output.finished
+            yield output
+    finally:
+        await _close(stream)
+        if not ended:
+            try:  # shielded: a second cancellation must not stop the abort
+                await asyncio.shield(client.abort(request_id))
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+
+
+def new_request_id() -> str:
+    return f"grpc-{uuid.uuid4().hex}"
+
+
+async def _responses(req: pb.GenerateRequest, client: EngineClient, tokenizer: Tokenizer
+                     ) -> AsyncIterator[pb.GenerateResponse]:
+    """One GenerateResponse per engine delta (only the samples with news), the usage on the last.
+    Raises ValueError (before anything is sent) for a bad request; engine errors propagate."""
+    prompt_token_ids, params, cache_salt = request_to_engine(req, tokenizer)
+    request_id = req.request_id or new_request_id()
+    usage = pb.Usage(prompt_tokens=len(prompt_token_ids))
+    num_top = params.logprobs or 0
+    async with contextlib.aclosing(_engine_outputs(client, request_id, prompt_token_ids, params,
+                                                   cache_salt)) as outputs:
+        async for output in outputs:
+            usage.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+            usage.cached_tokens = output.num_cached_tokens
+            message = pb.GenerateResponse(request_id=request_id,
+                                          completions=[_completion_to_proto(c, num_top) for c in output.outputs])
+            if output.finished:
+                message.usage.CopyFrom(usage)
+            yield message
+            if output.finished:
+                return
+    yield pb.GenerateResponse(request_id=request_id, usage=usage)  # a stream that ended unfinished
+
+
+# --- errors --------------------------------------------------------------------------------------------
+
+
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and details for an exception. An exception re-raised by Ray (RayTaskError is an
+    instance of its cause's class) is reported with its cause's message, not Ray's traceback."""
+    cause = exc
+    for _ in range(8):  # unwrap RayTaskError(...) chains, boundedly
+        inner = getattr(cause, "cause", None)
+        if not isinstance(inner, BaseException) or inner is cause:
+            break
+        cause = inner
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(cause)
+    if isinstance(exc, EngineOverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause)
+    if isinstance(exc, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE, str(cause)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(cause).__name__}: {cause}"
+
+
+async def abort_with_status(context: Any, exc: Exception) -> NoReturn:
+    """End the RPC with ``exc``'s status: ``context.abort`` on a grpc.aio context; on Serve's
+    ``RayServegRPCContext`` set the code and details and re-raise ``exc`` (see the module docstring);
+    with no context (a Serve handle call) re-raise ``exc``."""
+    code, details = grpc_status(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.error("request failed: %s", details, exc_info=exc)
+    if context is not None and hasattr(context, "abort"):
+        await context.abort(code, details)  # raises
+    if context is not None:
+        context.set_code(code)
+        context.set_details(details)
+    raise exc
+
+
+async def generate_stream(req: pb.GenerateRequest, client: EngineClient, tokenizer: Tokenizer,
+                          context: Any = None) -> AsyncIterator[pb.GenerateResponse]:
+    """GenerateStream: one GenerateResponse per engine delta (only the samples with news), the usage
+    on the last. Errors, also after messages were sent, are reported on ``context``."""
+    try:
+        async with contextlib.aclosing(_responses(req, client, tokenizer)) as stream:
+            async for message in stream:
+                yield message
+    except Exception as exc:
+        await abort_with_status(context, exc)
+
+
+async def generate(req: pb.GenerateRequest, client: EngineClient, tokenizer: Tokenizer,
+                   context: Any = None) -> pb.GenerateResponse:
+    """Generate: the stream's messages merged per sample (text, tokens and logprobs concatenated, the
+    last finish and stop reasons), completions ordered by index, and the usage. Errors are reported
+    on ``context``."""
+    merged: dict[int, pb.Completion] = {}
+    response = pb.GenerateResponse()
+    try:
+        async with contextlib.aclosing(_responses(req, client, tokenizer)) as stream:
+            async for message in stream:
+                response.request_id = message.request_id
+                if message.HasField("usage"):
+                    response.usage.CopyFrom(message.usage)
+                for c in message.completions:
+                    into = merged.setdefault(c.index, pb.Completion(index=c.index))
+                    into.text += c.text
+                    into.token_ids.extend(c.token_ids)
+                    into.logprobs.extend(c.logprobs)
+                    into.finish_reason = c.finish_reason or into.finish_reason
+                    if (reason := c.WhichOneof("stop_reason")) is not None:
+                        setattr(into, reason, getattr(c, reason))
+    except Exception as exc:
+        await abort_with_status(context, exc)
+    response.completions.extend(merged[i] for i in sorted(merged))
+    return response
+
+
+class KVServeServicer(kvserve_pb2_grpc.KVServeServicer):
+    """The service for a plain ``grpc.aio`` server::
+
+        server = grpc.aio.server()
+        kvserve_pb2_grpc.add_KVServeServicer_to_server(KVServeServicer(client, tokenizer), server)
+    """
+
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        return await generate(request, self.client, self.tokenizer, context)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[pb.GenerateResponse]:
+        async for message in generate_stream(request, self.client, self.tokenizer, context):
+            yield message

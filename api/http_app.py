@@ -1,0 +1,180 @@
+"""The OpenAI-compatible HTTP API: a FastAPI app whose routes are plain functions that fetch the
+``OpenAIServing`` through ``get_serving()`` at request time, so that a Ray Serve ingress can mount it
+and create the serving object in its ``__init__``::
+
+    app = build_openai_app(lambda: serve.get_replica_context().servable_object.serving)
+
+    @serve.deployment
+    @serve.ingress(app)
+    class Ingress:
+        def __init__(self, ...):
+            self.serving = OpenAIServing(engine_client, tokenizer, name, max_model_len)
+
+Routes (the Bearer key, when ``api_key`` is set, guards all but /health and /metrics):
+
+    POST /v1/completions   POST /v1/chat/completions   GET /v1/models
+    POST /tokenize         POST /detokenize            GET /health   GET /metrics
+
+Every error has the OpenAI body ``{"error": {message, type, param, code}}``: malformed JSON and invalid
+fields → 400 (naming the field), a bad key → 401, ``OpenAIError`` → its status, anything else → 500.
+A client that disconnects before its response starts has its engine requests aborted; a stream that
+loses its client is aborted by ``EventStream``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.engine_client import OpenAIError
+from api.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from api.openai_serving import EventStream, OpenAIServing
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
+
+
+def build_openai_app(get_serving: Callable[[], OpenAIServing], *, api_key: str | None = None,
+                     metrics_text: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
+    """The app. ``metrics_text`` supplies the Prometheus exposition served at /metrics (absent: 404).
+
+    The routes are module-level functions that read these settings from ``app.state``: an app that
+    Ray Serve pickles keeps them importable by name, with their annotations resolvable (a nested
+    function would be pickled by value, without the globals its string annotations name).
+    """
+    app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM inference")
+    app.state.get_serving, app.state.api_key, app.state.metrics_text = get_serving, api_key, metrics_text
+    guarded = [Depends(require_api_key)]
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"], dependencies=guarded)
+    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], dependencies=guarded)
+    app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=guarded)
+    app.add_api_route("/tokenize", tokenize, methods=["POST"], dependencies=guarded)
+    app.add_api_route("/detokenize", detokenize, methods=["POST"], dependencies=guarded)
+    app.add_api_route("/health", health, methods=["GET"])
+    if metrics_text is not None:
+        app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
+    return app
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.get_serving()
+
+
+# --- routes --------------------------------------------------------------------------------------
+
+
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    return await _respond(request, _serving(request).completions(body))
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _respond(request, _serving(request).chat_completions(body))
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse(await _serving(request).models())
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    return JSONResponse(await _serving(request).tokenize(body))
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    return JSONResponse(await _serving(request).detokenize(body))
+
+
+async def health(request: Request) -> Response:
+    _serving(request)
+    return Response(status_code=200)
+
+
+async def metrics(request: Request) -> Response:
+    return PlainTextResponse(await request.app.state.metrics_text(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+
+async def require_api_key(request: Request) -> None:
+    """With an API key configured, the request must carry ``Authorization: Bearer <key>``."""
+    api_key = request.app.state.api_key
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "").encode()
+    if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+        raise OpenAIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                          "invalid_request_error", code="invalid_api_key")
+
+
+async def _respond(request: Request, work: Awaitable[dict | EventStream]) -> Response:
+    """Run ``work`` unless the client disconnects first (then it is cancelled, which aborts its engine
+    requests); its dict becomes JSON, its EventStream an SSE response that is closed even if unsent."""
+    work_task = asyncio.ensure_future(work)
+    client_gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work_task, client_gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        client_gone.cancel()
+        if not work_task.done():
+            work_task.cancel()  # the client left first (or we were cancelled): abort the engine requests
+    if not work_task.done():  # cancelled just now
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    result = work_task.result()
+    if isinstance(result, EventStream):
+        return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(result.aclose))
+    return JSONResponse(result)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    return _error_response(exc)
+
+
+async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return _error_response(_validation_error(exc))
+
+
+async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _error_response(OpenAIError(exc.status_code, str(exc.detail), kind), getattr(exc, "headers", None))
+
+
+async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    return _error_response(OpenAIError.from_exception(exc))
+
+
+def _error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    malformed = next((e for e in errors if e["type"] == "json_invalid"), None)
+    if malformed is not None:
+        return OpenAIError.bad_request(f"malformed JSON in the request body: {malformed.get('ctx', {}).get('error')}")
+    messages, fields = [], []
+    for error in errors:
+        loc = error["loc"][1:] if error["loc"][:1] == ("body",) else error["loc"]
+        field = ".".join(map(str, loc))
+        fields.append(field.split(".")[0] or None)
+        if not field and isinstance(error.get("input"), bytes):
+            messages.append("the request body must be a JSON object (Content-Type: application/json)")
+        else:
+            messages.append(f"{field}: {error['msg']}" if field else error["msg"])
+    return OpenAIError.bad_request("; ".join(messages), fields[0] if fields else None)

@@ -1,0 +1,237 @@
+"""Request bodies of the OpenAI API (completions, chat completions) plus vLLM's extra sampling fields,
+vLLM's /tokenize and /detokenize bodies, the error body, and the mapping to ``SamplingParams``.
+
+Unknown fields are ignored, as OpenAI does. Features the engine lacks are refused by validation
+(HTTP 400 naming the field): ``logit_bias``, ``suffix``, ``best_of`` other than ``n``, ``echo`` with
+``logprobs`` (no prompt logprobs), tools, and response formats other than text. Range checks of the
+sampling values live in ``SamplingParams``: its ValueError becomes a 400 with its message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def _unsupported(what: str) -> PydanticCustomError:
+    return PydanticCustomError("not_supported", "{what} is not supported", {"what": what})
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """The fields both APIs share: OpenAI's sampling fields and vLLM's extras."""
+
+    model: str | None = None  # None: the served model
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict | None) -> None:
+        if value:
+            raise _unsupported("logit_bias")
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (from SamplingParams) for values out of range."""
+        def default(value: Any, fallback: Any) -> Any:
+            return fallback if value is None else value
+
+        return SamplingParams(
+            n=self.n, temperature=default(self.temperature, 1.0), top_p=default(self.top_p, 1.0),
+            top_k=default(self.top_k, 0), min_p=default(self.min_p, 0.0), seed=self.seed,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            presence_penalty=default(self.presence_penalty, 0.0),
+            frequency_penalty=default(self.frequency_penalty, 0.0),
+            repetition_penalty=default(self.repetition_penalty, 1.0),
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions. Each prompt (text or token ids) is one engine request of ``n`` samples.
+    ``echo`` is supported without ``logprobs``: the prompt's text leads each choice's text."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_forms(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:  # one message instead of one per member of the union
+            raise PydanticCustomError("prompt_type", "prompt must be a string, a list of strings, a list "
+                                                     "of token ids or a list of lists of token ids") from None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> None:
+        if value:
+            raise _unsupported("suffix")
+        return None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise PydanticCustomError("not_supported", "best_of other than n is not supported")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo_logprobs(cls, value: bool, info) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise PydanticCustomError("not_supported", "echo with logprobs is not supported (no prompt logprobs)")
+        return value
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class ContentPart(OpenAIBaseModel):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        for part in value if isinstance(value, list) else ():
+            if part.type != "text":
+                raise _unsupported(f"content of type {part.type!r}")
+        return value
+
+    def for_template(self) -> dict[str, str]:
+        """The message as a chat template reads it; text parts are joined by newlines."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions. The conversation is rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # wins over the deprecated max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+    add_generation_prompt: bool = True  # vLLM extra
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list | None) -> None:
+        if value:
+            raise _unsupported("tools")
+        return None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict | None) -> str | None:
+        if value not in (None, "none", "auto"):
+            raise _unsupported(f"tool_choice {value!r}")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type") != "text":
+            raise _unsupported(f"response_format of type {value.get('type')!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("invalid_value", "top_logprobs requires logprobs to be true")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: a ``prompt``, or ``messages`` rendered with the chat template. Special tokens
+    are added by default to a prompt, not to messages (the template writes its own)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("invalid_value", "give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo

@@ -1,0 +1,271 @@
+"""The OpenAI API over any ``EngineClient``: no Ray, no FastAPI.
+
+    request ─► check model, tokenize, SamplingParams, length ─► EngineStreams (one engine request
+    per prompt, n samples each) ─► wait for the first output (admission errors keep their status)
+    ─► a response dict, or an ``EventStream`` of SSE strings
+
+Choice ``i`` of prompt ``p`` has index ``p * n + i``. Usage counts each prompt once, completion tokens
+over all choices, and the prompt tokens the prefix cache served. Once a stream has started, an error
+becomes an error event followed by ``[DONE]``; a stream left early aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import jinja2
+from pydantic import BaseModel
+
+from api.engine_client import AsyncLLMClient, EngineClient, EngineStreams, OpenAIError
+from api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from api.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                 TokenizeRequest)
+from api.openai_responses import (ChatChoice, ChatCompletionResponse, ChatCompletionStreamResponse,
+                                  ChatResponseMessage, ChatStreamChoice, CompletionChoice,
+                                  CompletionResponse, CompletionStreamResponse, DeltaMessage,
+                                  DetokenizeResponse, ModelCard, ModelList,
+                                  TokenizeResponse, UsageCounter)
+from engine.messages import CompletionOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+__all__ = ["AsyncLLMClient", "EngineClient", "EventStream", "OpenAIError", "OpenAIServing"]
+
+T = TypeVar("T")
+
+
+def _openai_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Whatever the method raises reaches the caller as an OpenAIError."""
+    @functools.wraps(method)
+    async def wrapper(*args, **kwargs) -> T:
+        try:
+            return await method(*args, **kwargs)
+        except Exception as exc:
+            raise OpenAIError.from_exception(exc) from exc
+    return wrapper
+
+
+class EventStream:
+    """The server-sent events of one streamed response, ``data: {json}\\n\\n`` … ``data: [DONE]\\n\\n``.
+    Leaving the iteration early or ``aclose()`` (even before the first event) aborts the engine
+    requests that are still running."""
+
+    def __init__(self, events: AsyncGenerator[str, None], streams: EngineStreams) -> None:
+        self._events, self._streams = events, streams
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        self._streams.close()
+        await self._events.aclose()
+
+
+class OpenAIServing:
+    """Completions, chat completions, models and vLLM's tokenize/detokenize for one served model.
+    Every method raises ``OpenAIError`` (status, OpenAI error body) for whatever goes wrong."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, served_model_name: str,
+                 max_model_len: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.token_texts = TokenTexts(tokenizer)
+        self._tasks: set[asyncio.Task] = set()  # engine streams in flight
+
+    # --- endpoints -------------------------------------------------------------------------------
+
+    @_openai_errors
+    async def completions(self, req: CompletionRequest) -> dict | EventStream:
+        self._check_model(req.model)
+        texts, prompts = self._completion_prompts(req.prompt)
+        params = req.to_sampling_params()
+        for prompt in prompts:
+            self._check_length(len(prompt), params.max_tokens, "prompt")
+        echo = [t if t is not None else self.tokenizer.decode(p) for t, p in zip(texts, prompts)] \
+            if req.echo else None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._start(request_id, prompts, params, req.cache_salt)
+        usage = UsageCounter(prompts)
+        choices = self._completion_choices(streams, params, usage, echo)
+        if req.stream:
+            return self._event_stream(self._completion_chunks(request_id, choices, usage, req.include_usage), streams)
+        merged: dict[int, CompletionChoice] = {}
+        with contextlib.closing(streams):
+            async for choice in choices:
+                if choice.index in merged:
+                    merged[choice.index].extend(choice)
+                else:
+                    merged[choice.index] = choice
+        return CompletionResponse(id=request_id, model=self.served_model_name, usage=usage.info(),
+                                  choices=[merged[i] for i in sorted(merged)]).model_dump(mode="json")
+
+    @_openai_errors
+    async def chat_completions(self, req: ChatCompletionRequest) -> dict | EventStream:
+        self._check_model(req.model)
+        prompt = self._chat_prompt([m.for_template() for m in req.messages], req.add_generation_prompt)
+        params = req.to_sampling_params()
+        self._check_length(len(prompt), params.max_tokens, "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._start(request_id, [prompt], params, req.cache_salt)
+        usage = UsageCounter([prompt])
+        choices = self._chat_choices(streams, params, usage)
+        if req.stream:
+            return self._event_stream(self._chat_chunks(request_id, params.n, choices, usage, req.include_usage),
+                                      streams)
+        merged: dict[int, ChatChoice] = {}
+        with contextlib.closing(streams):
+            async for delta in choices:
+                merged.setdefault(delta.index, ChatChoice(index=delta.index, message=ChatResponseMessage(content="")))
+                merged[delta.index].extend(delta)
+        return ChatCompletionResponse(id=request_id, model=self.served_model_name, usage=usage.info(),
+                                      choices=[merged[i] for i in sorted(merged)]).model_dump(mode="json")
+
+    async def models(self) -> dict:
+        card = ModelCard(id=self.served_model_name, root=self.served_model_name, max_model_len=self.max_model_len)
+        return ModelList(data=[card]).model_dump(mode="json")
+
+    @_openai_errors
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: special tokens are added to a prompt by default, not to messages."""
+        self._check_model(req.model)
+        if req.messages is not None:
+            text = self._render_chat([m.for_template() for m in req.messages], req.add_generation_prompt)
+            tokens = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            tokens = self.tokenizer.encode(req.prompt, add_special_tokens=add_special)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=self.max_model_len).model_dump()
+
+    @_openai_errors
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        self._check_model(req.model)
+        vocab_size = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab_size for t in req.tokens):
+            raise OpenAIError.bad_request(f"token ids must be in [0, {vocab_size})", "tokens")
+        prompt = self.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        return DetokenizeResponse(prompt=prompt).model_dump()
+
+    # --- input -----------------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model",
+                              "model_not_found")
+
+    def _completion_prompts(self, prompt: str | list) -> tuple[list[str | None], list[list[int]]]:
+        """(text or None, token ids) per prompt of a completion request."""
+        items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        if not items:
+            raise OpenAIError.bad_request("prompt must not be empty", "prompt")
+        texts = [p if isinstance(p, str) else None for p in items]
+        return texts, [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except (ValueError, jinja2.TemplateError) as exc:  # the template's raise_exception: a ValueError
+            raise OpenAIError.bad_request(f"the chat template refused the messages: {exc}", "messages") from exc
+
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        return self.tokenizer.encode(self._render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    def _check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise OpenAIError.bad_request(
+                f"This model's maximum context length is {limit} tokens, and the {param} has "
+                f"{num_prompt_tokens}: no room is left for the completion.", param)
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise OpenAIError.bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {param}, "
+                f"{max_tokens} for the completion). Reduce the {param} or max_tokens.", "max_tokens")
+
+    async def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                     cache_salt: str | None) -> EngineStreams:
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = EngineStreams(self.engine, ids, prompts, params, cache_salt, self._tasks)
+        try:
+            await streams.wait_started()
+        except BaseException:
+            streams.close()
+            raise
+        return streams
+
+    # --- output ----------------------------------------------------------------------------------
+
+    @staticmethod
+    async def _samples(streams: EngineStreams, n: int, usage: UsageCounter
+                       ) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        async for prompt_index, output in streams:
+            usage.add(prompt_index, output)
+            for sample in output.outputs:
+                yield prompt_index * n + sample.index, sample
+
+    async def _completion_choices(self, streams: EngineStreams, params: SamplingParams, usage: UsageCounter,
+                                  echo: list[str] | None) -> AsyncIterator[CompletionChoice]:
+        """One delta choice per engine delta per sample: echoed prompt first, logprobs with offsets."""
+        offsets: dict[int, int] = {}  # choice index -> characters so far, once the choice started
+        async for index, sample in self._samples(streams, params.n, usage):
+            text = sample.text
+            if echo is not None and index not in offsets:
+                text = echo[index // params.n] + text
+            logprobs, offsets[index] = None, offsets.get(index, 0)
+            if params.logprobs is not None:
+                logprobs, offsets[index] = completion_logprobs(self.token_texts, sample, offsets[index])
+            yield CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                   finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
+
+    async def _chat_choices(self, streams: EngineStreams, params: SamplingParams, usage: UsageCounter
+                            ) -> AsyncIterator[ChatStreamChoice]:
+        async for index, sample in self._samples(streams, params.n, usage):
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = chat_logprobs(self.token_texts, sample, params.logprobs)
+            yield ChatStreamChoice(index=index, delta=DeltaMessage(content=sample.text), logprobs=logprobs,
+                                   finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
+
+    async def _completion_chunks(self, request_id: str, choices: AsyncIterator[CompletionChoice],
+                                 usage: UsageCounter, include_usage: bool) -> AsyncIterator[BaseModel]:
+        name = self.served_model_name
+        async for choice in choices:
+            if choice.text or choice.finish_reason or choice.logprobs:
+                yield CompletionStreamResponse(id=request_id, model=name, choices=[choice])
+        if include_usage:
+            yield CompletionStreamResponse(id=request_id, model=name, choices=[], usage=usage.info())
+
+    async def _chat_chunks(self, request_id: str, n: int, choices: AsyncIterator[ChatStreamChoice],
+                           usage: UsageCounter, include_usage: bool) -> AsyncIterator[BaseModel]:
+        name = self.served_model_name
+        for index in range(n):  # every choice opens with the role
+            start = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            yield ChatCompletionStreamResponse(id=request_id, model=name, choices=[start])
+        async for choice in choices:
+            if choice.delta.content or choice.finish_reason or choice.logprobs:
+                yield ChatCompletionStreamResponse(id=request_id, model=name, choices=[choice])
+        if include_usage:
+            yield ChatCompletionStreamResponse(id=request_id, model=name, choices=[], usage=usage.info())
+
+    def _event_stream(self, events: AsyncIterator[BaseModel], streams: EngineStreams) -> EventStream:
+        async def sse() -> AsyncGenerator[str, None]:
+            try:
+                try:
+                    async for event in events:
+                        yield f"data: {event.model_dump_json()}\n\n"
+                except Exception as exc:
+                    yield f"data: {json.dumps(OpenAIError.from_exception(exc).body())}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                streams.close()
+        return EventStream(sse(), streams)

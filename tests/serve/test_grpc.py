@@ -1,0 +1,312 @@
+"""The KVServe gRPC service (api/grpc_serving.py) on a plain grpc.aio server over an in-process AsyncLLM,
+called through the generated stub: results equal the offline LLM's, streams add up to the unary result,
+bad requests get INVALID_ARGUMENT, a cancelled stream frees its request, and the example client works.
+
+The server and the engine live on an event loop in a background thread for the whole module; the tests
+call them with the blocking stub. No Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import NamedTuple
+
+import grpc
+import pytest
+
+from api import grpc_serving
+from api import kvserve_pb2 as pb
+from api import kvserve_pb2_grpc
+from api.engine_client import AsyncLLMClient
+from engine import LLM, AsyncLLM, EngineOverloadedError, SamplingParams, engine_config
+from engine.messages import CompletionOutput, RequestOutput
+from engine.tokenizer import Tokenizer
+from tests.e2e.prompts import test_prompts as make_prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 60
+GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+class Server(NamedTuple):
+    """The running server, its engine, and a blocking stub on a channel to it."""
+
+    address: str
+    engine: AsyncLLM
+    stub: kvserve_pb2_grpc.KVServeStub
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs) -> str:
+    return model_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    with LLM(model=model_dir, num_kv_blocks=300) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    engine = AsyncLLM(engine_config(model_dir, num_kv_blocks=300))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="grpc-test-loop", daemon=True)
+    thread.start()
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        grpc_server = grpc.aio.server()
+        servicer = grpc_serving.KVServeServicer(AsyncLLMClient(engine), engine.core.tokenizer)
+        kvserve_pb2_grpc.add_KVServeServicer_to_server(servicer, grpc_server)
+        port = grpc_server.add_insecure_port("127.0.0.1:0")
+        await grpc_server.start()
+        return grpc_server, port
+
+    grpc_server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(TIMEOUT_S)
+    address = f"127.0.0.1:{port}"
+    with grpc.insecure_channel(address) as channel:
+        yield Server(address, engine, kvserve_pb2_grpc.KVServeStub(channel))
+    asyncio.run_coroutine_threadsafe(grpc_server.stop(None), loop).result(TIMEOUT_S)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(TIMEOUT_S)
+    engine.shutdown()
+
+
+def request(prompt: str | list[int], request_id: str = "", **params) -> pb.GenerateRequest:
+    prompt_field = {"text": prompt} if isinstance(prompt, str) else {"token_ids": pb.TokenIds(ids=prompt)}
+    return pb.GenerateRequest(**prompt_field, params=pb.SamplingParameters(**params), request_id=request_id)
+
+
+def reference(offline, prompt: str | list[int], **params) -> RequestOutput:
+    inputs = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+    return offline.generate(inputs, SamplingParams(**params))[0]
+
+
+def wait_until_clean(engine: AsyncLLM, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine.stats()
+        if stats["num_requests_running"] == stats["num_blocks_in_use"] == stats["num_requests_waiting"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the engine still holds requests: {stats}"
+        time.sleep(0.01)
+
+
+def assert_matches(completion: pb.Completion, expected: CompletionOutput) -> None:
+    assert (completion.text, list(completion.token_ids)) == (expected.text, expected.token_ids)
+    assert completion.finish_reason == expected.finish_reason
+
+
+def merge_stream(messages: list[pb.GenerateResponse]) -> dict[int, tuple[str, list[int], str]]:
+    merged: dict[int, tuple[str, list[int], str]] = {}
+    for message in messages:
+        for c in message.completions:
+            text, ids, reason = merged.get(c.index, ("", [], ""))
+            merged[c.index] = (text + c.text, ids + list(c.token_ids), c.finish_reason or reason)
+    return merged
+
+
+def test_unary_text_prompt_equals_offline_greedy(server, offline):
+    prompt = "The sky at sunset is"
+    expected = reference(offline, prompt, **GREEDY)
+    response = server.stub.Generate(request(prompt, "unary-1", **GREEDY), timeout=TIMEOUT_S)
+    assert (response.request_id, len(response.completions)) == ("unary-1", 1)
+    assert_matches(response.completions[0], expected.outputs[0])
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(expected.prompt_token_ids), 12)
+    wait_until_clean(server.engine)
+
+
+def test_token_id_prompt_and_server_made_request_id(server, offline, model_dir):
+    prompt = make_prompts(model_dir)[2]
+    expected = reference(offline, prompt, **GREEDY)
+    response = server.stub.Generate(request(prompt, **GREEDY), timeout=TIMEOUT_S)
+    assert response.request_id.startswith("grpc-")
+    assert_matches(response.completions[0], expected.outputs[0])
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt), 12)
+
+
+def test_stream_adds_up_to_the_unary_result_with_usage_last(server, model_dir):
+    prompt = make_prompts(model_dir)[6]  # 129 tokens: 8 full blocks
+    unary = server.stub.Generate(request(prompt, **GREEDY), timeout=TIMEOUT_S)
+    messages = list(server.stub.GenerateStream(request(prompt, "streamed", **GREEDY), timeout=TIMEOUT_S))
+    assert len(messages) > 1 and all(m.request_id == "streamed" for m in messages)
+    assert [m.HasField("usage") for m in messages] == [False] * (len(messages) - 1) + [True]
+    assert all(c.finish_reason == "" for m in messages[:-1] for c in m.completions)
+    c = unary.completions[0]
+    assert merge_stream(messages) == {0: (c.text, list(c.token_ids), "length")}
+    usage = messages[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (unary.usage.prompt_tokens, 12) == (129, 12)
+    assert (unary.usage.cached_tokens, usage.cached_tokens) == (0, 128)  # the unary call cached 8 blocks
+
+
+def test_n2_seeded_samples_equal_offline_unary_and_streamed(server, offline, model_dir):
+    prompt = make_prompts(model_dir)[2]
+    params = dict(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    expected = reference(offline, prompt, **params)
+    response = server.stub.Generate(request(prompt, **params), timeout=TIMEOUT_S)
+    assert [c.index for c in response.completions] == [0, 1]
+    for completion, exp in zip(response.completions, expected.outputs):
+        assert_matches(completion, exp)
+    assert response.usage.completion_tokens == 16
+    streamed = merge_stream(list(server.stub.GenerateStream(request(prompt, **params), timeout=TIMEOUT_S)))
+    assert streamed == {c.index: (c.text, list(c.token_ids), c.finish_reason) for c in response.completions}
+
+
+def test_logprobs_and_stop_token_id_as_offline(server, offline, model_dir):
+    prompt = make_prompts(model_dir)[1]
+    stop_id = reference(offline, prompt, **GREEDY).outputs[0].token_ids[4]
+    params = dict(GREEDY, logprobs=2, stop_token_ids=[stop_id])
+    expected = reference(offline, prompt, **params).outputs[0]
+    completion = server.stub.Generate(request(prompt, **params), timeout=TIMEOUT_S).completions[0]
+    assert_matches(completion, expected)
+    assert (completion.finish_reason, completion.WhichOneof("stop_reason"), completion.stop_token_id) == \
+        ("stop", "stop_token_id", stop_id)
+    assert len(completion.logprobs) == len(expected.token_ids)
+    for got, token_id, candidates in zip(completion.logprobs, expected.token_ids, expected.logprobs):
+        assert got.token_id == token_id and got.logprob == pytest.approx(candidates[token_id])
+        assert [t.token_id for t in got.top] == sorted(candidates, key=candidates.get, reverse=True)[:2]
+        assert got.top[0].token_id == token_id  # greedy picks the most likely token
+
+
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+@pytest.mark.parametrize("case", ["top_p", "too_long", "no_prompt", "bad_token"])
+def test_bad_requests_are_invalid_argument(server, method, case):
+    max_model_len = server.engine.core.config.max_model_len
+    bad, words = {
+        "top_p": (request("Hello", top_p=2.0), "top_p must be in (0, 1], got 2.0"),
+        "too_long": (request([5] * (max_model_len + 1)), f"more than max_model_len={max_model_len}"),
+        "no_prompt": (pb.GenerateRequest(), "no prompt"),
+        "bad_token": (request([5, 10**6]), "prompt token ids must be in"),
+    }[case]
+    with pytest.raises(grpc.RpcError) as info:
+        call = getattr(server.stub, method)(bad, timeout=TIMEOUT_S)
+        list(call) if method == "GenerateStream" else call
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in info.value.details()
+    wait_until_clean(server.engine)
+
+
+def test_cancelling_a_stream_aborts_the_engine_request(server, model_dir):
+    before = server.engine.stats()["num_generation_tokens"]
+    call = server.stub.GenerateStream(request(make_prompts(model_dir)[3], "leaver", temperature=0.0,
+                                              max_tokens=1500, ignore_eos=True), timeout=TIMEOUT_S)
+    for i, _ in enumerate(call):
+        if i == 2:
+            call.cancel()
+            break
+    with pytest.raises(grpc.RpcError) as info:
+        next(call)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    stats = wait_until_clean(server.engine)
+    assert stats["num_generation_tokens"] - before < 500  # ended, not run to its 1500 tokens
+    # the id is free again
+    assert server.stub.Generate(request("Hi", "leaver", max_tokens=2), timeout=TIMEOUT_S).request_id == "leaver"
+
+
+def test_example_client_against_the_server(server, offline):
+    expected = reference(offline, "Hello", temperature=0.0, max_tokens=8).outputs[0].text
+    for extra in ([], ["--stream", "--app", "kvserve"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "api.grpc_client_example", "--address", server.address, "--prompt", "Hello",
+             "--max-tokens", "8", "--temperature", "0", *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == expected + "\n"
+        assert "completion_tokens=" in out.stderr
+
+
+# --- the service logic alone, on a fake engine client -------------------------------------------------
+
+
+class FakeClient:
+    """Streams one token per step forever, or raises ``error`` at once; records aborts."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.aborted: list[str] = []
+
+    async def generate(self, request_id, prompt_token_ids, params, cache_salt) -> AsyncIterator[RequestOutput]:
+        if self.error is not None:
+            raise self.error
+        for step in range(10**6):
+            yield RequestOutput(request_id, None, prompt_token_ids, [CompletionOutput(0, "x", [step])], False)
+            await asyncio.sleep(0)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+class FakeServeContext:
+    """Duck type of Ray Serve's RayServegRPCContext: set_code / set_details, no abort."""
+
+    code = details = None
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> Tokenizer:
+    return Tokenizer(model_dir)
+
+
+def test_consumer_leaving_aborts_but_an_engine_refusal_does_not(tokenizer):
+    async def main() -> None:
+        client = FakeClient()
+        stream = grpc_serving.generate_stream(request([1, 2], "left"), client, tokenizer)
+        assert (await stream.__anext__()).completions[0].token_ids == [0]
+        await stream.aclose()
+        assert client.aborted == ["left"]
+
+        client = FakeClient()
+        task = asyncio.ensure_future(grpc_serving.generate(request([1, 2], "cancelled"), client, tokenizer))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert client.aborted == ["cancelled"]
+
+        refusing = FakeClient(ValueError("request id 'taken' is empty or already in use"))
+        with pytest.raises(ValueError):
+            await grpc_serving.generate(request([1, 2], "taken"), refusing, tokenizer)
+        assert refusing.aborted == []  # an abort would hit the other request that holds the id
+
+    asyncio.run(main())
+
+
+class RemoteValueError(ValueError):
+    """Like Ray's RayTaskError(ValueError): an instance of the cause's class, a traceback as message."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(f"ray::SchedulerActor.generate() Traceback ...\n{cause!r}")
+        self.cause = cause
+
+
+@pytest.mark.parametrize("method", ["generate", "generate_stream"])
+@pytest.mark.parametrize("error, code, details", [
+    (ValueError("top_p must be in (0, 1], got 2.0"), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1], got 2.0"),
+    (RemoteValueError(ValueError("bad stop id")), grpc.StatusCode.INVALID_ARGUMENT, "bad stop id"),
+    (EngineOverloadedError("8 requests waiting"), grpc.StatusCode.RESOURCE_EXHAUSTED, "8 requests waiting"),
+    (RuntimeError("boom"), grpc.StatusCode.INTERNAL, "internal error: RuntimeError: boom"),
+])
+def test_errors_on_a_serve_context_set_the_code_and_reraise(tokenizer, method, error, code, details):
+    context = FakeServeContext()
+
+    async def main() -> None:
+        if method == "generate":
+            await grpc_serving.generate(request([1, 2]), FakeClient(error), tokenizer, context)
+        else:
+            async for _ in grpc_serving.generate_stream(request([1, 2]), FakeClient(error), tokenizer, context):
+                pass
+
+    with pytest.raises(type(error)):
+        asyncio.run(main())
+    assert (context.code, context.details) == (code, details)

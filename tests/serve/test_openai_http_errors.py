@@ -1,0 +1,207 @@
+"""Errors and failures of the OpenAI-compatible HTTP API: every one has the OpenAI error body and its
+status (400 bad input, 401 key, 404 model, 503 full queue, 500 engine failure, or an error event once
+a stream has started), a bad request leaves its neighbours intact, and a client that leaves has its
+engine requests aborted. Disconnects need real sockets (the ASGI transport buffers whole responses):
+those tests run the app under uvicorn on an ephemeral port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+
+from api.http_app import build_openai_app
+from api.openai_serving import OpenAIServing
+from engine import CompletionOutput, EngineDeadError, RequestOutput
+from engine.tokenizer import Tokenizer
+from tests.serve.openai_harness import (API_KEY, GREEDY, METRICS, MODEL, app, assert_error,  # noqa: F401
+                                        client, http, llm, model_dir, offline, prompts, reference, run,
+                                        until_clean)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": [4096]}, None),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": ["text", [1, 2]]}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
+])
+def test_bad_requests_get_400_with_an_openai_error_body(http, run, path, body, param):
+    error = assert_error(run(http.post(path, json=body)), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_too_long_prompts_get_400(http, run):
+    malformed = run(http.post("/v1/completions", content=b'{"prompt": "x",',
+                              headers={"Content-Type": "application/json"}))
+    assert "malformed JSON" in assert_error(malformed, 400)["message"]
+    too_long = run(http.post("/v1/completions", json={"prompt": [5] * 2049, "max_tokens": 1}))
+    assert "maximum context length" in assert_error(too_long, 400, "prompt")["message"]
+    no_room = {"prompt": [5] * 2000, "max_tokens": 100, "stream": True}
+    assert_error(run(http.post("/v1/completions", json=no_room)), 400, "max_tokens")
+    chat = {"messages": [{"role": "user", "content": "word " * 3000}]}
+    assert_error(run(http.post("/v1/chat/completions", json=chat)), 400, "messages")
+
+
+def test_unknown_model_is_404(client, http, run):
+    error = assert_error(run(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})), 404, "model")
+    assert error["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        run(client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}]))
+
+
+def test_api_key_guards_everything_but_health_and_metrics(app, run):
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as anonymous:
+            body = {"prompt": "x", "max_tokens": 1}
+            responses = [await anonymous.post("/v1/completions", json=body),
+                         await anonymous.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}),
+                         await anonymous.get("/v1/models"), await anonymous.post("/tokenize", json={"prompt": "x"})]
+            return responses, await anonymous.get("/health"), await anonymous.get("/metrics")
+
+    refused, health, metrics = run(main())
+    for response in refused:
+        assert assert_error(response, 401)["code"] == "invalid_api_key"
+    assert health.status_code == 200
+    assert metrics.text == METRICS and metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
+
+
+def test_full_queue_is_503_and_the_engine_stays_clean(llm, http, run):
+    llm.max_waiting_requests = 0  # every request finds the queue full
+    try:
+        plain = run(http.post("/v1/completions", json={"prompt": "x"}))
+        streamed = run(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                               "stream": True}))
+    finally:
+        llm.max_waiting_requests = None
+    assert assert_error(plain, 503)["code"] == "engine_overloaded"
+    assert_error(streamed, 503)
+    run(until_clean(llm))
+
+
+def test_a_bad_request_leaves_concurrent_good_ones_intact(client, offline, prompts, llm, run):
+    expected = [reference(offline, p, temperature=0.0, max_tokens=10, ignore_eos=True).text for p in prompts[:4]]
+
+    async def main():
+        good = [client.completions.create(model=MODEL, prompt=p, max_tokens=10, **GREEDY) for p in prompts[:4]]
+        bad = client.completions.create(model=MODEL, prompt=[1, 2, 99999], max_tokens=10)
+        return await asyncio.gather(*good[:2], bad, *good[2:], return_exceptions=True)
+
+    results = run(main())
+    assert isinstance(results[2], openai.BadRequestError)
+    assert [r.choices[0].text for r in results[:2] + results[3:]] == expected
+    run(until_clean(llm))
+
+
+# --- failures inside the engine ------------------------------------------------------------------
+
+
+class FailingEngine:
+    """An EngineClient whose requests fail after one delta."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.aborted: list[str] = []
+
+    def generate(self, request_id, prompt_token_ids, params, cache_salt):
+        async def stream():
+            yield RequestOutput(request_id, None, prompt_token_ids, [CompletionOutput(0, "Hi", [5])], False)
+            raise self.error
+        return stream()
+
+    async def abort(self, request_id) -> None:
+        self.aborted.append(request_id)
+
+
+@pytest.mark.parametrize("error, code", [(EngineDeadError("the workers are gone"), "engine_dead"),
+                                         (RuntimeError("boom"), "internal_error")])
+def test_engine_failures_are_500_or_an_error_event_once_streaming(model_dir, run, error, code):
+    engine = FailingEngine(error)
+    serving = OpenAIServing(engine, Tokenizer(model_dir), MODEL, 2048)
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_openai_app(lambda: serving))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as raw:
+            body = {"messages": [{"role": "user", "content": "x"}]}
+            return (await raw.post("/v1/chat/completions", json=body),
+                    await raw.post("/v1/chat/completions", json={**body, "stream": True}))
+
+    plain, streamed = run(main())
+    assert assert_error(plain, 500)["code"] == code
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in streamed.text.split("\n\n") if line]
+    role, delta, failure, done = events
+    assert json.loads(role)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert json.loads(delta)["choices"][0]["delta"] == {"content": "Hi"}
+    assert json.loads(failure)["error"]["code"] == code and done == "[DONE]"
+    assert engine.aborted == []  # the engine ended those requests itself
+
+
+# --- clients that leave ------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def uvicorn_server(app) -> AsyncIterator[str]:
+    """The app behind a real socket (the ASGI transport cannot disconnect mid-response)."""
+    uvicorn = pytest.importorskip("uvicorn")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+def test_clients_that_leave_abort_their_engine_requests(app, llm, prompts, run, caplog):
+    async def main():
+        async with uvicorn_server(app) as url, \
+                openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0) as client:
+            before = llm.stats()["num_generation_tokens"]
+            stream = await client.completions.create(model=MODEL, prompt=prompts[1:3], n=2, max_tokens=2000,
+                                                     stream=True, **GREEDY)
+            chunks = []
+            async for chunk in stream:
+                chunks.append(chunk)
+                if len(chunks) == 5:
+                    break
+            await stream.close()  # 2 prompts x 2 samples were running: all must stop
+            await until_clean(llm)
+            streamed_tokens = llm.stats()["num_generation_tokens"] - before
+            with pytest.raises(openai.APITimeoutError):  # a non-streaming client that gives up
+                await client.completions.create(model=MODEL, prompt=prompts[2], max_tokens=2000, timeout=0.3,
+                                                **GREEDY)
+            await until_clean(llm)
+            return chunks, streamed_tokens, llm.stats()["num_generation_tokens"] - before - streamed_tokens
+
+    chunks, streamed_tokens, waited_tokens = run(main())
+    assert len(chunks) == 5
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "the server logged errors"
+    assert streamed_tokens < 4 * 2000 // 2 and waited_tokens < 2000 // 2  # stopped, not run to the end
