@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test test-gpu demo bench clean
+.PHONY: install test test-gpu demo serve bench clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ test-gpu: install
 
 demo: install
 	$(BIN)/kvserve generate --prompt "The quick brown fox" --prompt "Once upon a time" --max-tokens 32
+
+# OpenAI API on 127.0.0.1:8000, gRPC on :9000 (see infra/serve_config.yaml); stop with Ctrl-C.
+serve: install
+	$(BIN)/serve run infra/serve_config.yaml
 
 bench: install
 	$(BIN)/kvserve bench

@@ -14,10 +14,14 @@ logger = logging.getLogger(__name__)
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
+    """``placement_group``/``first_bundle`` place the ranks in a group the caller owns (a Serve
+    replica's); without them the executor reserves its own."""
+
+    def __init__(self, config: EngineConfig, placement_group=None, first_bundle: int = 0) -> None:
         ensure_ray(min_cpus=config.parallel.tensor_parallel_size + 2)
         self.config = config
-        self.group = WorkerGroup(config)
+        self._placement = {"placement_group": placement_group, "first_bundle": first_bundle}
+        self.group = WorkerGroup(config, **self._placement)
         self.num_blocks: int | None = None
         self.num_restarts = 0
         self._kv_cache_info: dict = {}
@@ -37,7 +41,7 @@ class RayExecutor(Executor):
         """Replace the whole group (the survivors' KV is useless without the lost shard)."""
         logger.warning("rebuilding the tensor-parallel worker group")
         self.group.kill()
-        self.group = WorkerGroup(self.config)
+        self.group = WorkerGroup(self.config, **self._placement)
         self.initialize_kv_cache(self.num_blocks)
         self.num_restarts += 1
 

@@ -2,11 +2,12 @@
 prefix cache, runs the step loop, and drives its tensor-parallel worker group.
 
     caller ──generate(id, prompt, params)──► SchedulerActor ──SchedulerOutput──► WorkerActor × tp
-           ◄──── RequestOutput deltas ─────  (AsyncLLM: EngineCore + RayExecutor)
+           ◄──── RequestOutput deltas ─────  (AsyncLLM: EngineCore + executor)
            ──abort(id)────────────────────►
 
-``generate`` is a streaming actor method: callers iterate the ObjectRefGenerator it returns.
-Cancelling that generator (or calling ``abort``) ends the request and frees its blocks.
+At tensor_parallel_size 1 the model runs inside this actor (the in-process executor); above, on
+worker actors. ``generate`` is a streaming actor method: callers iterate the ObjectRefGenerator it
+returns. Cancelling that generator, or calling ``abort``, ends the request and frees its blocks.
 """
 
 from __future__ import annotations
@@ -23,9 +24,15 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class SchedulerActor:
-    def __init__(self, config: EngineConfig, executor: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, executor_kwargs: dict | None = None,
+                 max_waiting_requests: int | None = None, torch_threads: int | None = None) -> None:
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(torch_threads)  # Ray pins OMP_NUM_THREADS=1 in actors
         self.config = config
-        self.engine = AsyncLLM(config, core=EngineCore(config, create_executor(config, executor)))
+        core = EngineCore(config, create_executor(config, **(executor_kwargs or {})))
+        self.engine = AsyncLLM(config, core=core, max_waiting_requests=max_waiting_requests)
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "num_kv_blocks": self.engine.core.num_kv_blocks}
@@ -38,7 +45,8 @@ class SchedulerActor:
         cache_salt: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
     ):
-        """Stream the request's outputs (deltas by default)."""
+        """Stream the request's outputs (deltas by default; several steps' deltas are merged into
+        one item whenever the caller reads slower than the engine produces)."""
         async for output in self.engine.generate(prompt, params, request_id, cache_salt=cache_salt,
                                                  output_kind=output_kind):
             yield output
@@ -58,6 +66,12 @@ class SchedulerActor:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def routing_stats(self) -> dict:
+        """What a prefix-aware router needs: the cached block hashes and the load."""
+        scheduler = self.engine.core.scheduler
+        return {"prefix_hashes": self.engine.cached_prefix_hashes(), "block_size": self.config.cache.block_size,
+                "num_waiting": self.engine.num_waiting_requests, "num_running": len(scheduler.running)}
+
     def worker_pids(self) -> list[int]:
         executor = self.engine.core.executor
         return executor.worker_pids() if hasattr(executor, "worker_pids") else [os.getpid()]
@@ -66,15 +80,43 @@ class SchedulerActor:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
 
 
-def launch_scheduler_actor(config: EngineConfig, *, num_cpus: float = 1, name: str | None = None,
-                           executor: str | None = None, ready_timeout_s: float = 600.0):
-    """Start a scheduler actor (and through it the worker group) and wait until it serves."""
+def launch_scheduler_actor(
+    config: EngineConfig,
+    *,
+    placement_group=None,
+    bundle_index: int = 0,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    name: str | None = None,
+    namespace: str | None = None,
+    max_waiting_requests: int | None = None,
+    torch_threads: int | None = None,
+    wait: bool = True,
+    ready_timeout_s: float = 600.0,
+):
+    """Start a scheduler actor and (``wait``) block until it serves. In ``placement_group``, the actor
+    takes bundle ``bundle_index`` and its ranks (tensor_parallel_size > 1) the bundles after it."""
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from cluster.ray_env import ensure_ray
 
     ensure_ray(min_cpus=config.parallel.tensor_parallel_size + 2)
-    actor = ray.remote(SchedulerActor).options(num_cpus=num_cpus, name=name, max_concurrency=1000).remote(
-        config, executor)
-    ray.get(actor.ready.remote(), timeout=ready_timeout_s)
+    options: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus, "name": name, "namespace": namespace,
+                     "max_concurrency": 10_000}
+    executor_kwargs = {}
+    if placement_group is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, bundle_index)
+        if config.parallel.tensor_parallel_size > 1:
+            executor_kwargs = {"placement_group": placement_group, "first_bundle": bundle_index + 1}
+    actor = ray.remote(SchedulerActor).options(**options).remote(
+        config, executor_kwargs=executor_kwargs, max_waiting_requests=max_waiting_requests,
+        torch_threads=torch_threads)
+    if not wait:
+        return actor
+    try:
+        ray.get(actor.ready.remote(), timeout=ready_timeout_s)
+    except BaseException:
+        ray.kill(actor)
+        raise
     return actor

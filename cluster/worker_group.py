@@ -15,10 +15,10 @@ import time
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.placement_group import remove_placement_group
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.placement import create_placement_group
+from cluster.placement import PlacementError, create_placement_group
 from cluster.ray_env import cluster_has_gpus
 from cluster.worker_actor import WorkerActor
 from engine.config import EngineConfig
@@ -29,18 +29,28 @@ POLL_S = 1.0  # how often a step waiting on the ranks checks whether one of them
 
 
 class WorkerGroup:
-    def __init__(self, config: EngineConfig, *, step_timeout_s: float = 600.0, placement_timeout_s: float = 60.0):
+    """``placement_group``/``first_bundle``: place the ranks in bundles [first_bundle, first_bundle + tp)
+    of a group someone else owns (a Serve replica's); by default the group makes and owns its own."""
+
+    def __init__(self, config: EngineConfig, *, placement_group: PlacementGroup | None = None,
+                 first_bundle: int = 0, step_timeout_s: float = 600.0, placement_timeout_s: float = 60.0):
         self.num_ranks = config.parallel.tensor_parallel_size
         self.use_gpu = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
         self.config = dataclasses.replace(config, device="cuda" if self.use_gpu else "cpu")
         self.step_timeout_s = step_timeout_s
-        self.placement_group = create_placement_group(
-            self.num_ranks, self.use_gpu, config.parallel.placement_strategy, placement_timeout_s)
+        self.owns_placement_group = placement_group is None
+        if placement_group is None:
+            placement_group = create_placement_group(
+                self.num_ranks, self.use_gpu, config.parallel.placement_strategy, placement_timeout_s)
+        elif not ray.wait([placement_group.ready()], timeout=placement_timeout_s)[0]:
+            raise PlacementError(f"the placement group for {self.num_ranks} ranks is not ready after "
+                                 f"{placement_timeout_s:g}s")
+        self.placement_group = placement_group
         actor_cls = ray.remote(WorkerActor)
         self.actors = [
             actor_cls.options(
                 num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, first_bundle + rank),
             ).remote(self.config, rank)
             for rank in range(self.num_ranks)
         ]
@@ -115,4 +125,5 @@ class WorkerGroup:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
-        remove_placement_group(self.placement_group)
+        if self.owns_placement_group:
+            remove_placement_group(self.placement_group)

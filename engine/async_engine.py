@@ -18,16 +18,21 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, EngineDeadError, PromptType
-from engine.messages import RequestOutput
+from engine.core import EngineCore, EngineDeadError, EngineOverloadedError, PromptType
+from engine.messages import RequestOutput, merge_outputs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+    """``max_waiting_requests``: requests admitted but not yet running beyond which ``generate``
+    refuses new ones with EngineOverloadedError (None: unbounded)."""
+
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None,
+                 max_waiting_requests: int | None = None) -> None:
         self.core = core or EngineCore(config)
+        self.max_waiting_requests = max_waiting_requests
         self._queues: dict[str, asyncio.Queue] = {}
         self._commands: list[tuple] = []
         self._wakeup: asyncio.Event | None = None
@@ -50,6 +55,9 @@ class AsyncLLM:
         self.core.check_sampling_params(params)
         if not request_id or request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is empty or already in use")
+        if self.max_waiting_requests is not None and self.num_waiting_requests >= self.max_waiting_requests:
+            raise EngineOverloadedError(f"{self.num_waiting_requests} requests are already waiting "
+                                        f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._submit(("add", request_id, text, token_ids, params, cache_salt))
@@ -57,6 +65,9 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await queue.get()
+                while not isinstance(item, BaseException) and not queue.empty():
+                    nxt = queue.get_nowait()  # the reader fell behind: hand over one merged delta
+                    item = nxt if isinstance(nxt, BaseException) else merge_outputs(item, nxt, output_kind)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -68,6 +79,17 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Admitted requests that are not running yet (queued here or in the scheduler)."""
+        adds = sum(1 for c in self._commands if c[0] == "add")
+        return adds + len(self.core.scheduler.waiting)
+
+    def cached_prefix_hashes(self, limit: int = 16384) -> bytes:
+        """The prefix cache's block hashes, truncated to 8 bytes each and concatenated (a routing
+        summary: a router matches a prompt's chain of hashes against it)."""
+        return self.core.scheduler.kv.cached_hash_digest(limit)
 
     def _submit(self, command: tuple) -> None:
         self._commands.append(command)

@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     """The engine cannot run steps any more (its workers are gone); requests in flight fail with it."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at its bound; the request was not admitted (HTTP 503)."""
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
@@ -201,6 +205,12 @@ class EngineCore:
             "dispatch_time_s": self.timings.dispatch_time_s,
             "engine_overhead_fraction": self.timings.overhead_fraction,
             "num_worker_restarts": self.num_worker_restarts,
+            "histograms": {
+                "time_to_first_token_seconds": self.outputs.latency.time_to_first_token.as_dict(),
+                "inter_token_latency_seconds": self.outputs.latency.inter_token_latency.as_dict(),
+                "e2e_request_latency_seconds": self.outputs.latency.e2e_latency.as_dict(),
+                "request_queue_time_seconds": s.queue_time.as_dict(),
+            },
             **self.executor.kv_cache_info(),
         }
 

@@ -50,11 +50,13 @@ def executor_name(config: EngineConfig) -> str:
     return "uniproc" if config.parallel.tensor_parallel_size == 1 else "ray"
 
 
-def create_executor(config: EngineConfig, name: str | None = None) -> Executor:
+def create_executor(config: EngineConfig, name: str | None = None, **kwargs) -> Executor:
+    """The executor ``name`` (by default the one ``tensor_parallel_size`` calls for); ``kwargs`` go to
+    its constructor (placement for the Ray executor)."""
     target = EXECUTORS[name or executor_name(config)]
     module_name, class_name = target.split(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise RuntimeError(f"executor {target} is not available: {exc}") from exc
-    return getattr(module, class_name)(config)
+    return getattr(module, class_name)(config, **kwargs)

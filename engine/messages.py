@@ -104,3 +104,22 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+def merge_outputs(first: RequestOutput, second: RequestOutput, kind) -> RequestOutput:
+    """Two consecutive outputs of one request as one: deltas concatenate per sample; otherwise the
+    later output already carries everything."""
+    if kind.value != "delta":
+        return second
+    samples = {s.index: s for s in first.outputs}
+    for s in second.outputs:
+        before = samples.get(s.index)
+        if before is None:
+            samples[s.index] = s
+            continue
+        logprobs = (before.logprobs or []) + (s.logprobs or []) if (before.logprobs or s.logprobs) else None
+        samples[s.index] = CompletionOutput(s.index, before.text + s.text, before.token_ids + s.token_ids,
+                                            s.finish_reason, s.stop_reason, logprobs)
+    return RequestOutput(second.request_id, second.prompt, second.prompt_token_ids,
+                         [samples[i] for i in sorted(samples)], second.finished, second.num_cached_tokens,
+                         second.metrics)

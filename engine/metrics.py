@@ -27,6 +27,9 @@ class Histogram:
         self.total += value
         self.count += 1
 
+    def as_dict(self) -> dict:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total, "count": self.count}
+
     def quantile(self, q: float) -> float:
         """Upper bucket bound below which a ``q`` share of observations falls (inf if beyond)."""
         target, seen = q * self.count, 0
@@ -39,6 +42,7 @@ class Histogram:
 
 @dataclass
 class SchedulerStats:
+    queue_time: Histogram = field(default_factory=Histogram)  # arrival -> first scheduled, seconds
     prefix_cache_queries: int = 0  # prompt tokens looked up (first schedule of a request only)
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
     num_preemptions: int = 0
@@ -74,3 +78,54 @@ class StepTimings:
     @property
     def overhead_fraction(self) -> float:
         return 1.0 - self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
+
+
+# Prometheus exposition of engine stats. Names follow vLLM's where one exists, under "kvserve:".
+_COUNTERS = {
+    "prefix_cache_queries": ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits_total", "Prompt tokens served from the prefix cache."),
+    "num_preemptions": ("num_preemptions_total", "Requests preempted (recompute)."),
+    "num_prompt_tokens": ("prompt_tokens_total", "Prompt tokens admitted."),
+    "num_generation_tokens": ("generation_tokens_total", "Tokens generated."),
+}
+_GAUGES = {
+    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens."),
+    "kv_cache_usage": ("kv_cache_usage_perc", "Share of KV blocks held by requests (0-1)."),
+    "num_requests_running": ("num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+}
+_HISTOGRAMS = {
+    "time_to_first_token_seconds": "Time from arrival to the first generated token.",
+    "inter_token_latency_seconds": "Time between consecutive output tokens.",
+    "e2e_request_latency_seconds": "Time from arrival to the last token.",
+    "request_queue_time_seconds": "Time from arrival to the first schedule.",
+}
+
+
+def _labels(labels: dict[str, str], extra: str = "") -> str:
+    text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return "{" + ",".join(p for p in (text, extra) if p) + "}"
+
+
+def prometheus_text(stats_by_replica: dict[str, dict], model_name: str) -> str:
+    """Prometheus text format (0.0.4) for the stats of every replica, labelled by replica."""
+    lines: list[str] = []
+    series = [(_labels({"model_name": model_name, "replica": r}), s) for r, s in sorted(stats_by_replica.items())]
+    for kind, table in (("counter", _COUNTERS), ("gauge", _GAUGES)):
+        for key, (name, help_text) in table.items():
+            lines += [f"# HELP kvserve:{name} {help_text}", f"# TYPE kvserve:{name} {kind}"]
+            lines += [f"kvserve:{name}{labels} {float(s.get(key, 0))}" for labels, s in series]
+    for name, help_text in _HISTOGRAMS.items():
+        lines += [f"# HELP kvserve:{name} {help_text}", f"# TYPE kvserve:{name} histogram"]
+        for labels, s in series:
+            h = s.get("histograms", {}).get(name)
+            if h is None:
+                continue
+            inner = labels[1:-1]
+            cumulative = 0
+            for bound, count in zip((*h["buckets"], "+Inf"), h["counts"]):
+                cumulative += count
+                le = bound if bound == "+Inf" else repr(float(bound))
+                lines.append(f"kvserve:{name}_bucket{{{inner},le=\"{le}\"}} {cumulative}")
+            lines += [f"kvserve:{name}_sum{labels} {h['sum']}", f"kvserve:{name}_count{labels} {h['count']}"]
+    return "\n".join(lines) + "\n"

@@ -45,7 +45,6 @@ class LatencyMetrics:
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
     e2e_latency: Histogram = field(default_factory=Histogram)
-    queue_time: Histogram = field(default_factory=Histogram)
 
 
 class OutputProcessor:

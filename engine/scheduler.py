@@ -150,6 +150,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:  # first time scheduled; recomputation is not counted
                 request.num_cached_tokens = 0 if source is not None else num_cached
                 request.first_scheduled_time = now
+                self.stats.queue_time.observe(now - request.arrival_time)
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
                 if source is None and self.kv.enable_caching:
                     self.stats.prefix_cache_queries += request.num_tokens

@@ -9,7 +9,8 @@ from workers.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, **placement) -> None:
+        """``placement`` (a Ray placement group for remote executors) does not apply in-process."""
         if config.parallel.tensor_parallel_size != 1:
             raise ValueError("the in-process executor runs tensor_parallel_size=1 only")
         self.worker = Worker(config)
