@@ -24,13 +24,14 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from ray import serve
 from ray.exceptions import RayTaskError
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from api import grpc_serving
 from api.http_app import build_openai_app
 from api.openai_serving import OpenAIServing
 from cluster.scheduler_actor import launch_scheduler_actor
-from engine import SamplingParams, engine_config
+from engine import EngineOverloadedError, SamplingParams, engine_config
 from engine.config import EngineConfig
 from engine.metrics import prometheus_text
 from engine.messages import RequestOutput
@@ -68,6 +69,7 @@ class AppArgs(BaseModel):
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 120.0
     router: Literal["prefix", "pow2"] = "prefix"
+    router_imbalance: int = 8  # queue-length gap beyond which the router prefers the least loaded replica
     api_key: str | None = None
     max_waiting_requests: int = 512
     engine_cpus: float = 1.0  # logical CPUs of the engine bundle (tp = 1) or of each rank
@@ -159,14 +161,21 @@ class ServeEngineClient:
         stream = self.handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params,
                                                                   cache_salt=cache_salt)
         self._streams[request_id] = stream
+        finished = False
         try:
             async for output in stream:
+                finished = output.finished
                 yield output
         except RayTaskError as exc:
+            finished = True
             raise exc.as_instanceof_cause() from None
+        except BackPressureError as exc:
+            finished = True
+            raise EngineOverloadedError(f"every replica is at its queue bound: {exc}") from None
         finally:
             self._streams.pop(request_id, None)
-            stream.cancel()
+            if not finished:  # the caller left early: cancelling reaches the replica, which aborts
+                stream.cancel()
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -282,7 +291,10 @@ def build_app(args: AppArgs | dict | None = None):
         "ray_actor_options": {"num_cpus": args.proxy_cpus},
         "placement_group_bundles": replica_bundles(args, use_gpu),
         "placement_group_strategy": args.placement_strategy,
+        # a replica takes what its engine can hold; Serve queues up to max_waiting_requests more per
+        # handle and refuses the rest (BackPressureError -> 503)
         "max_ongoing_requests": args.max_num_seqs + args.max_waiting_requests,
+        "max_queued_requests": args.max_waiting_requests,
         "health_check_period_s": 10,
     }
     if args.autoscaling:
@@ -298,7 +310,9 @@ def build_app(args: AppArgs | dict | None = None):
     if args.router == "prefix":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="cluster.router:PrefixAwareRequestRouter",
+            request_router_kwargs={"block_size": args.block_size, "imbalance_threshold": args.router_imbalance},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=5.0,
         )
     llm_server = serve.deployment(LLMServer).options(**options).bind(config, args, use_gpu)
     ingress = serve.deployment(serve.ingress()(Ingress)).options(

@@ -1,0 +1,171 @@
+"""kvserve on Ray Serve, end to end: the official openai client, Python handles, gRPC through Serve's
+proxy, /metrics moving, the queue bound, and a client that disconnects mid-stream."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from api import kvserve_pb2 as pb
+from api import kvserve_pb2_grpc as pb_grpc
+from engine import LLM, SamplingParams
+from tests.serve.serve_harness import metrics, start_serve, stop_serve, wait_for
+
+API_KEY = "sk-serve-test"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs):
+    from ray import serve
+
+    from serve_app import build_app
+
+    base_url, grpc_address = start_serve()
+    args = {"model": model_dirs["llama"], "served_model_name": MODEL, "api_key": API_KEY, "max_num_seqs": 4,
+            "max_waiting_requests": 4, "num_kv_blocks": 256, "engine_cpus": 1}
+    handle = serve.run(build_app(args), name="kvserve", route_prefix="/")
+    yield {"url": base_url, "grpc": grpc_address, "handle": handle, "model_dir": model_dirs["llama"]}
+    stop_serve()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served['url']}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(served):
+    with LLM(model=served["model_dir"], num_kv_blocks=256) as llm:
+        yield llm
+
+
+def greedy_text(offline, prompt, max_tokens):
+    out = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return out[0].outputs[0].text
+
+
+def test_completion_equals_offline_engine(client, offline):
+    r = client.completions.create(model=MODEL, prompt="The river bends", max_tokens=10, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == greedy_text(offline, "The river bends", 10)
+    assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length"
+
+
+def test_chat_streaming_with_usage_n_and_logprobs(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about bread"}], max_tokens=6, n=2,
+        temperature=0.9, seed=5, logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True})
+    texts, finishes, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+            if choice.logprobs and choice.logprobs.content:
+                assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    assert set(finishes) == {0, 1} and usage.completion_tokens >= 2
+    assert usage.prompt_tokens > 0
+
+
+def test_errors_have_openai_bodies(served, client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", top_p=1.5)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="max_model_len|maximum context"):
+        client.completions.create(model=MODEL, prompt=[5] * 5000)
+    bad_key = openai.OpenAI(base_url=f"{served['url']}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    r = httpx.post(f"{served['url']}/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_python_handles(served, offline):
+    handle = served["handle"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    final = handle.generate.remote("Salt and pepper", params).result()
+    assert final.finished and final.outputs[0].text == greedy_text(offline, "Salt and pepper", 8)
+    deltas = list(handle.options(stream=True).generate_stream.remote("Salt and pepper", params))
+    assert "".join(d.outputs[0].text for d in deltas if d.outputs) == final.outputs[0].text
+    assert deltas[-1].finished
+
+
+def test_grpc_through_serve_proxy(served, offline):
+    stub = pb_grpc.KVServeStub(grpc.insecure_channel(served["grpc"]))
+    request = pb.GenerateRequest(text="A quiet morning", params=pb.SamplingParameters(
+        max_tokens=7, temperature=0.0, ignore_eos=True))
+    unary = stub.Generate(request, metadata=[("application", "kvserve")])
+    assert unary.completions[0].text == greedy_text(offline, "A quiet morning", 7)
+    assert unary.usage.completion_tokens == 7
+    streamed = list(stub.GenerateStream(request, metadata=[("application", "kvserve")]))
+    assert "".join(c.text for m in streamed for c in m.completions) == unary.completions[0].text
+    assert streamed[-1].usage.completion_tokens == 7
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(pb.GenerateRequest(text="x", params=pb.SamplingParameters(top_p=2.0)),
+                      metadata=[("application", "kvserve")])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_metrics_are_present_and_move(served, client):
+    before = metrics(served["url"])
+    for name in ("kvserve:prefix_cache_queries_total", "kvserve:kv_cache_usage_perc",
+                 "kvserve:num_requests_waiting", "kvserve:time_to_first_token_seconds_count",
+                 "kvserve:request_queue_time_seconds_sum", "kvserve:e2e_request_latency_seconds_count"):
+        assert name in before, name
+    prompt = "The same long preamble for every request. " * 20
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    after = metrics(served["url"])
+    assert after["kvserve:generation_tokens_total"] >= before["kvserve:generation_tokens_total"] + 10
+    assert after["kvserve:prefix_cache_hits_total"] > before["kvserve:prefix_cache_hits_total"]
+    assert after["kvserve:time_to_first_token_seconds_count"] >= before["kvserve:time_to_first_token_seconds_count"] + 2
+    text = httpx.get(f"{served['url']}/metrics").text
+    assert 'replica="' in text and 'le="+Inf"' in text
+
+
+def test_disconnect_mid_stream_frees_the_blocks(served):
+    body = {"model": MODEL, "prompt": "Once more, with feeling", "max_tokens": 1500, "stream": True,
+            "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{served['url']}/v1/completions", json=body, headers=headers) as response:
+            chunks = 0
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                if chunks >= 3:
+                    break
+    assert chunks == 3
+    wait_for(lambda: (m := metrics(served["url"]))["kvserve:num_requests_running"] == 0
+             and m["kvserve:kv_cache_usage_perc"] == 0.0, timeout_s=30)
+
+
+def test_queue_bound_gives_503_and_spares_the_rest(served):
+    """4 running + 4 waiting fit; more concurrent requests get 503, a bad one gets 400, and every
+    admitted request completes."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(body):
+        return httpx.post(f"{served['url']}/v1/completions", json=body, headers=headers, timeout=120)
+
+    bodies = [{"model": MODEL, "prompt": f"request {i}", "max_tokens": 300, "ignore_eos": True} for i in range(14)]
+    bodies.insert(3, {"model": MODEL, "prompt": "bad", "temperature": -2})
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        responses = list(pool.map(post, bodies))
+    codes = [r.status_code for r in responses]
+    assert codes[3] == 400
+    assert codes.count(503) >= 1, codes
+    assert all(json.loads(r.text)["error"]["code"] for r in responses if r.status_code == 503)
+    ok = [r for r in responses if r.status_code == 200]
+    assert len(ok) >= 8 and all(r.json()["usage"]["completion_tokens"] == 300 for r in ok)
