@@ -145,6 +145,11 @@ class LLMServer:
     async def stats(self) -> dict:
         return await self.engine.stats.remote()
 
+    async def placement(self) -> dict:
+        """Placement group ids of this replica, its scheduler actor and its ranks."""
+        return {"replica": ray.get_runtime_context().get_placement_group_id(),
+                **await self.engine.placement.remote()}
+
     async def check_health(self) -> None:
         await asyncio.wait_for(self.engine.ready.remote(), timeout=30)
 
@@ -303,7 +308,7 @@ def build_app(args: AppArgs | dict | None = None):
             "min_replicas": low, "max_replicas": high,
             "target_ongoing_requests": args.target_ongoing_requests,
             "upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s,
-            "metrics_interval_s": 1.0, "look_back_period_s": 2.0,
+            "look_back_period_s": 5.0,
         }
     else:
         options["num_replicas"] = args.num_replicas or 1

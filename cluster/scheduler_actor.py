@@ -72,6 +72,14 @@ class SchedulerActor:
         return {"prefix_hashes": self.engine.cached_prefix_hashes(), "block_size": self.config.cache.block_size,
                 "num_waiting": self.engine.num_waiting_requests, "num_running": len(scheduler.running)}
 
+    def placement(self) -> dict:
+        """Placement group ids of this actor and of its ranks (tp > 1)."""
+        import ray
+
+        executor = self.engine.core.executor
+        ranks = [i["placement_group_id"] for i in executor.group.node_info] if hasattr(executor, "group") else []
+        return {"scheduler": ray.get_runtime_context().get_placement_group_id(), "ranks": ranks}
+
     def worker_pids(self) -> list[int]:
         executor = self.engine.core.executor
         return executor.worker_pids() if hasattr(executor, "worker_pids") else [os.getpid()]

@@ -24,7 +24,8 @@ class WorkerActor:
     def node_info(self) -> dict:
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
-                "ip": ray.util.get_node_ip_address(), "gpu_ids": ray.get_gpu_ids()}
+                "ip": ray.util.get_node_ip_address(), "gpu_ids": ray.get_gpu_ids(),
+                "placement_group_id": ctx.get_placement_group_id()}
 
     def rendezvous_address(self) -> str:
         """Rank 0 picks the process group's address: this node's IP and a port free right now."""

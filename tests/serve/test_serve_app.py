@@ -3,8 +3,8 @@ proxy, /metrics moving, the queue bound, and a client that disconnects mid-strea
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
+import threading
+import time
 
 import grpc
 import httpx
@@ -28,7 +28,7 @@ def served(model_dirs):
 
     base_url, grpc_address = start_serve()
     args = {"model": model_dirs["llama"], "served_model_name": MODEL, "api_key": API_KEY, "max_num_seqs": 4,
-            "max_waiting_requests": 4, "num_kv_blocks": 256, "engine_cpus": 1}
+            "max_waiting_requests": 4, "num_kv_blocks": 600, "engine_cpus": 1}
     handle = serve.run(build_app(args), name="kvserve", route_prefix="/")
     yield {"url": base_url, "grpc": grpc_address, "handle": handle, "model_dir": model_dirs["llama"]}
     stop_serve()
@@ -152,20 +152,42 @@ def test_disconnect_mid_stream_frees_the_blocks(served):
 
 
 def test_queue_bound_gives_503_and_spares_the_rest(served):
-    """4 running + 4 waiting fit; more concurrent requests get 503, a bad one gets 400, and every
-    admitted request completes."""
+    """The replica holds max_num_seqs + max_waiting_requests = 8 requests and Serve queues 4 more;
+    with all 12 places taken, the next request gets 503 at once, a bad one 400, and the long
+    requests are unharmed (and freed when their clients leave)."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    stop = threading.Event()
+    progress = [0] * 12
 
-    def post(body):
-        return httpx.post(f"{served['url']}/v1/completions", json=body, headers=headers, timeout=120)
+    def hold(i: int) -> None:  # a long stream, read until told to leave
+        with httpx.stream("POST", f"{served['url']}/v1/completions", json={**body, "prompt": f"long {i}"},
+                          headers=headers, timeout=120) as response:
+            for line in response.iter_lines():
+                progress[i] += line.startswith("data: {")
+                if stop.is_set():
+                    return
 
-    bodies = [{"model": MODEL, "prompt": f"request {i}", "max_tokens": 300, "ignore_eos": True} for i in range(14)]
-    bodies.insert(3, {"model": MODEL, "prompt": "bad", "temperature": -2})
-    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-        responses = list(pool.map(post, bodies))
-    codes = [r.status_code for r in responses]
-    assert codes[3] == 400
-    assert codes.count(503) >= 1, codes
-    assert all(json.loads(r.text)["error"]["code"] for r in responses if r.status_code == 503)
-    ok = [r for r in responses if r.status_code == 200]
-    assert len(ok) >= 8 and all(r.json()["usage"]["completion_tokens"] == 300 for r in ok)
+    threads = [threading.Thread(target=hold, args=(i,), daemon=True) for i in range(12)]
+    try:
+        for t in threads[:8]:
+            t.start()
+        wait_for(lambda: (m := metrics(served["url"]))["kvserve:num_requests_running"] == 4
+                 and m["kvserve:num_requests_waiting"] == 4, timeout_s=60)
+        for t in threads[8:]:
+            t.start()
+        time.sleep(2)  # the last four are now queued in Serve's router
+        extra = httpx.post(f"{served['url']}/v1/completions", json={"model": MODEL, "prompt": "one more",
+                           "max_tokens": 5}, headers=headers, timeout=30)
+        assert extra.status_code == 503, extra.text
+        assert extra.json()["error"]["code"]
+        bad = httpx.post(f"{served['url']}/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": -2},
+                         headers=headers, timeout=30)
+        assert bad.status_code == 400
+        assert sum(p > 0 for p in progress[:8]) == 4  # the four running ones are streaming
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    wait_for(lambda: (m := metrics(served["url"]))["kvserve:num_requests_running"] == 0
+             and m["kvserve:num_requests_waiting"] == 0 and m["kvserve:kv_cache_usage_perc"] == 0.0, timeout_s=60)

@@ -1,0 +1,74 @@
+"""infra/serve_config.yaml through Serve's own command line: `serve run` (a local cluster) and
+`serve deploy` (onto a running cluster). The config is used as shipped, with the model, the
+ports and the cluster's address pointed at this test's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.serve.serve_harness import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE = str(Path(sys.executable).with_name("serve"))
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def config_for(model_dir: str, tmp_path: Path) -> tuple[Path, str]:
+    config = yaml.safe_load((ROOT / "infra" / "serve_config.yaml").read_text())
+    http_port = free_port()
+    config["http_options"]["port"] = http_port
+    config["grpc_options"]["port"] = free_port()
+    config["applications"][0]["args"].update(model=model_dir, served_model_name="tiny", num_kv_blocks=256)
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, f"http://127.0.0.1:{http_port}"
+
+
+def completes(base_url: str) -> bool:
+    try:
+        r = httpx.post(f"{base_url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3},
+                       timeout=10)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+
+
+def test_serve_run_with_the_shipped_config(model_dirs, tmp_path):
+    path, base_url = config_for(model_dirs["llama"], tmp_path)
+    proc = subprocess.Popen([SERVE, "run", str(path)], cwd=ROOT, env={**env(), "RAY_ADDRESS": "local"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: proc.poll() is not None or completes(base_url), timeout_s=180, interval_s=1)
+        assert proc.poll() is None, "serve run exited"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # `serve run` in the background ignores SIGINT
+        proc.wait(timeout=60)
+
+
+def test_serve_deploy_onto_a_running_cluster(model_dirs, tmp_path):
+    path, base_url = config_for(model_dirs["llama"], tmp_path)
+    dashboard = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="kvray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    started = subprocess.run([RAY, "start", "--head", "--num-cpus=4", f"--port={free_port()}",
+                              "--include-dashboard=true", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}"],
+                             cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stderr[-2000:]
+    try:
+        subprocess.run([SERVE, "deploy", str(path), "--address", f"http://127.0.0.1:{dashboard}"],
+                       cwd=ROOT, env=env(), check=True, capture_output=True, timeout=120)
+        wait_for(lambda: completes(base_url), timeout_s=180, interval_s=1)
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env(), capture_output=True, timeout=120)
