@@ -31,10 +31,10 @@ from api import grpc_serving
 from api.http_app import build_openai_app
 from api.openai_serving import OpenAIServing
 from cluster.scheduler_actor import launch_scheduler_actor
-from engine import EngineOverloadedError, SamplingParams, engine_config
+from engine import EngineDeadError, EngineOverloadedError, SamplingParams, engine_config
 from engine.config import EngineConfig
 from engine.metrics import prometheus_text
-from engine.messages import RequestOutput
+from engine.messages import RequestOutput, merge_outputs
 from engine.sampling_params import RequestOutputKind
 from engine.tokenizer import Tokenizer
 
@@ -101,12 +101,13 @@ class LLMServer:
     async def __init__(self, config: EngineConfig, args: AppArgs, use_gpu: bool) -> None:
         ctx = serve.get_replica_context()
         tp = config.parallel.tensor_parallel_size
+        self.engine_name = f"engine:{ctx.app_name}:{ctx.replica_tag}"
         self.engine = launch_scheduler_actor(
             config,
             placement_group=ray.util.get_current_placement_group(), bundle_index=1,
             num_cpus=args.engine_cpus if tp == 1 else args.proxy_cpus,
             num_gpus=1 if use_gpu and tp == 1 else 0,
-            name=f"engine:{ctx.app_name}:{ctx.replica_tag}", namespace=ENGINE_NAMESPACE,
+            name=self.engine_name, namespace=ENGINE_NAMESPACE,
             max_waiting_requests=args.max_waiting_requests,
             torch_threads=(args.torch_threads or max(1, int(args.engine_cpus))) if tp == 1 else None,
             wait=False,
@@ -116,17 +117,19 @@ class LLMServer:
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_routing_stats())
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None):
-        """Stream the request's output deltas; leaving early aborts it in the engine."""
-        stream = self.engine.generate.remote(request_id, prompt_token_ids, params, cache_salt)
-        finished = False
+                       cache_salt: str | None = None, subscriber: str = ""):
+        """Admit the request into this replica's engine and yield the engine's actor name: the outputs
+        flow from that actor to ``subscriber`` on its multiplexed stream. The call stays open until the
+        request ends, so Serve counts it as ongoing here; cancelled first, it aborts the request."""
         try:
-            async for ref in stream:
-                output = await ref
-                finished = output.finished
-                yield output
+            await self.engine.add_request.remote(request_id, prompt_token_ids, params, cache_salt, subscriber)
         except RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
+        finished = False
+        try:
+            yield self.engine_name
+            await self.engine.wait_finished.remote(request_id)
+            finished = True
         finally:
             if not finished:
                 self.engine.abort.remote(request_id)
@@ -155,37 +158,79 @@ class LLMServer:
 
 
 class ServeEngineClient:
-    """The engine client of the OpenAI and gRPC layers, over the LLMServer deployment handle."""
+    """The engine client of the OpenAI and gRPC layers in an Ingress replica.
+
+    A request goes through the LLMServer handle (so Serve routes, counts and autoscales it); the
+    replica answers with the name of its scheduler actor, and the deltas arrive on one multiplexed
+    stream per scheduler actor, subscribed once per Ingress replica: one Ray object per engine step
+    instead of one per token per request.
+    """
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self.handle = handle
-        self._streams: dict[str, object] = {}
+        self.subscriber = f"ingress-{uuid.uuid4().hex}"
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._engine_of: dict[str, str] = {}
+        self._subscriptions: dict[str, asyncio.Task] = {}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None):
-        stream = self.handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params,
-                                                                  cache_salt=cache_salt)
-        self._streams[request_id] = stream
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        call = self.handle.options(stream=True).generate.remote(
+            request_id, prompt_token_ids, params, cache_salt=cache_salt, subscriber=self.subscriber)
         finished = False
         try:
-            async for output in stream:
-                finished = output.finished
-                yield output
-        except RayTaskError as exc:
-            finished = True
-            raise exc.as_instanceof_cause() from None
-        except BackPressureError as exc:
-            finished = True
-            raise EngineOverloadedError(f"every replica is at its queue bound: {exc}") from None
+            try:
+                engine_name = await call.__anext__()
+            except RayTaskError as exc:  # refused by the engine: nothing to cancel
+                finished = True
+                raise exc.as_instanceof_cause() from None
+            except BackPressureError as exc:  # refused by Serve's router
+                finished = True
+                raise EngineOverloadedError(f"every replica is at its queue bound: {exc}") from None
+            self._engine_of[request_id] = engine_name
+            self._subscribe(engine_name)
+            while not finished:
+                item = await queue.get()
+                while not isinstance(item, BaseException) and not queue.empty():
+                    nxt = queue.get_nowait()  # the reader fell behind: one merged delta
+                    item = nxt if isinstance(nxt, BaseException) else merge_outputs(item, nxt, RequestOutputKind.DELTA)
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:  # the caller left early: cancelling reaches the replica, which aborts
-                stream.cancel()
+            self._queues.pop(request_id, None)
+            self._engine_of.pop(request_id, None)
+            if not finished:  # the caller left: cancelling reaches the replica, which aborts
+                call.cancel()
+
+    def _subscribe(self, engine_name: str) -> None:
+        task = self._subscriptions.get(engine_name)
+        if task is None or task.done():
+            self._subscriptions[engine_name] = asyncio.get_running_loop().create_task(self._pump(engine_name))
+
+    async def _pump(self, engine_name: str) -> None:
+        """Route the engine's batches to the waiting requests until the engine goes away."""
+        try:
+            engine = ray.get_actor(engine_name, namespace=ENGINE_NAMESPACE)
+            async for ref in engine.subscribe.remote(self.subscriber):
+                for request_id, item in await ref:
+                    queue = self._queues.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(item)
+        except Exception as exc:  # noqa: BLE001 - every request of that engine fails with it
+            error = EngineDeadError(f"the engine {engine_name} stopped: {exc!r}")
+            for request_id, name in list(self._engine_of.items()):
+                if name == engine_name and request_id in self._queues:
+                    self._queues[request_id].put_nowait(error)
 
     async def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.cancel()
+        engine_name = self._engine_of.get(request_id)
+        if engine_name is not None:
+            ray.get_actor(engine_name, namespace=ENGINE_NAMESPACE).abort.remote(request_id)
 
 
 class Ingress:
@@ -250,8 +295,6 @@ class Ingress:
 
 
 def _accumulate(total: RequestOutput, delta: RequestOutput) -> RequestOutput:
-    from engine.messages import merge_outputs
-
     return merge_outputs(total, delta, RequestOutputKind.DELTA)
 
 
@@ -296,10 +339,10 @@ def build_app(args: AppArgs | dict | None = None):
         "ray_actor_options": {"num_cpus": args.proxy_cpus},
         "placement_group_bundles": replica_bundles(args, use_gpu),
         "placement_group_strategy": args.placement_strategy,
-        # a replica takes what its engine can hold; Serve queues up to max_waiting_requests more per
-        # handle and refuses the rest (BackPressureError -> 503)
+        # a replica takes what its engine can hold (running + waiting); each handle queues as many
+        # more while no replica has room, and refuses the rest (BackPressureError -> 503)
         "max_ongoing_requests": args.max_num_seqs + args.max_waiting_requests,
-        "max_queued_requests": args.max_waiting_requests,
+        "max_queued_requests": args.max_num_seqs + args.max_waiting_requests,
         "health_check_period_s": 10,
     }
     if args.autoscaling:

@@ -38,6 +38,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.cli import add_bench_arguments, run_bench
+    from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
     from benchmarks.tensor_parallel import add_bench_tp_arguments, run_bench_tp
     from workers.model_builder import add_make_model_arguments, run_make_model
 
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_tp = commands.add_parser("bench-tp", help="TP=1 in-process against TP=N on Ray worker actors")
     add_bench_tp_arguments(bench_tp)
     bench_tp.set_defaults(run=run_bench_tp)
+    bench_serve = commands.add_parser("bench-serve", help="the Serve app over HTTP against the offline engine")
+    add_bench_serve_arguments(bench_serve)
+    bench_serve.set_defaults(run=run_bench_serve)
     args = parser.parse_args(argv)
     return args.run(args)
 

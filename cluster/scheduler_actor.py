@@ -1,13 +1,16 @@
 """The scheduler actor: one per engine instance. It owns the scheduler, the block tables and the
 prefix cache, runs the step loop, and drives its tensor-parallel worker group.
 
-    caller ──generate(id, prompt, params)──► SchedulerActor ──SchedulerOutput──► WorkerActor × tp
-           ◄──── RequestOutput deltas ─────  (AsyncLLM: EngineCore + executor)
-           ──abort(id)────────────────────►
+Two ways to get outputs out:
 
-At tensor_parallel_size 1 the model runs inside this actor (the in-process executor); above, on
-worker actors. ``generate`` is a streaming actor method: callers iterate the ObjectRefGenerator it
-returns. Cancelling that generator, or calling ``abort``, ends the request and frees its blocks.
+    per request:   generate(id, prompt, params)  -> a streaming ObjectRefGenerator of that request's deltas
+    multiplexed:   add_request(id, prompt, params, subscriber)  then  subscribe(subscriber) ->
+                   one item per engine step holding the deltas of every request of that subscriber
+
+The multiplexed form is what the Serve ingress uses: its cost per step is one Ray object whatever
+the number of requests. At tensor_parallel_size 1 the model runs inside this actor (the in-process
+executor); above, on worker actors. Cancelling a stream, or ``abort``, ends a request and frees its
+blocks; a subscriber that goes away has its requests aborted.
 """
 
 from __future__ import annotations
@@ -23,6 +26,21 @@ from engine.messages import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
+class _Subscriber:
+    """Outputs waiting for one subscriber, as (request id, output or error) pairs."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, RequestOutput | BaseException]] = []
+        self.ready = asyncio.Event()
+        self.request_ids: set[str] = set()
+
+    def push(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        self.pending.append((request_id, item))
+        if isinstance(item, BaseException) or item.finished:
+            self.request_ids.discard(request_id)
+        self.ready.set()
+
+
 class SchedulerActor:
     def __init__(self, config: EngineConfig, *, executor_kwargs: dict | None = None,
                  max_waiting_requests: int | None = None, torch_threads: int | None = None) -> None:
@@ -33,6 +51,8 @@ class SchedulerActor:
         self.config = config
         core = EngineCore(config, create_executor(config, **(executor_kwargs or {})))
         self.engine = AsyncLLM(config, core=core, max_waiting_requests=max_waiting_requests)
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._finished: dict[str, asyncio.Event] = {}
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "num_kv_blocks": self.engine.core.num_kv_blocks}
@@ -59,6 +79,43 @@ class SchedulerActor:
                                                  output_kind=RequestOutputKind.FINAL_ONLY):
             final = output
         return final
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+                          cache_salt: str | None, subscriber: str) -> None:
+        """Admit a request whose deltas go to ``subscriber``'s stream. Raises ValueError for bad input
+        and EngineOverloadedError when the waiting queue is full."""
+        sub = self._subscribers.setdefault(subscriber, _Subscriber())
+        done = asyncio.Event()
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            sub.push(request_id, item)
+            if isinstance(item, BaseException) or item.finished:
+                done.set()
+                self._finished.pop(request_id, None)
+
+        self.engine.submit(request_id, prompt, params, sink, cache_salt=cache_salt)
+        sub.request_ids.add(request_id)
+        self._finished[request_id] = done
+
+    async def subscribe(self, subscriber: str):
+        """Stream ``subscriber``'s outputs: one list per engine step (more when the reader lags)."""
+        sub = self._subscribers.setdefault(subscriber, _Subscriber())
+        try:
+            while True:
+                await sub.ready.wait()
+                sub.ready.clear()
+                batch, sub.pending = sub.pending, []
+                yield batch
+        finally:  # the subscriber went away: nobody will read its requests' outputs
+            for request_id in list(sub.request_ids):
+                self.engine.abort(request_id)
+            self._subscribers.pop(subscriber, None)
+
+    async def wait_finished(self, request_id: str) -> None:
+        """Return when the request has ended (finished, aborted or failed)."""
+        done = self._finished.get(request_id)
+        if done is not None:
+            await done.wait()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
@@ -23,6 +23,8 @@ from engine.messages import RequestOutput, merge_outputs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+Sink = Callable[["RequestOutput | BaseException"], None]
 
 
 class AsyncLLM:
@@ -33,11 +35,35 @@ class AsyncLLM:
                  max_waiting_requests: int | None = None) -> None:
         self.core = core or EngineCore(config)
         self.max_waiting_requests = max_waiting_requests
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._sinks: dict[str, Sink] = {}
         self._commands: list[tuple] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        sink: Sink,
+        *,
+        cache_salt: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> None:
+        """Admit a request whose outputs (and the error that ends it, if any) go to ``sink``, called
+        on the event loop. Raises ValueError for invalid input and EngineOverloadedError when the
+        waiting queue is full, before anything runs."""
+        params = dataclasses.replace(sampling_params or SamplingParams(), output_kind=output_kind)
+        text, token_ids = self.core.process_inputs(prompt)
+        self.core.check_sampling_params(params)
+        if not request_id or request_id in self._sinks:
+            raise ValueError(f"request id {request_id!r} is empty or already in use")
+        if self.max_waiting_requests is not None and self.num_waiting_requests >= self.max_waiting_requests:
+            raise EngineOverloadedError(f"{self.num_waiting_requests} requests are already waiting "
+                                        f"(max_waiting_requests={self.max_waiting_requests}); retry later")
+        self._sinks[request_id] = sink
+        self._submit(("add", request_id, text, token_ids, params, cache_salt))
 
     async def generate(
         self,
@@ -50,17 +76,9 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request. Invalid input raises ValueError before anything runs;
         leaving the iteration early (a client that went away) aborts the request."""
-        params = dataclasses.replace(sampling_params or SamplingParams(), output_kind=output_kind)
-        text, token_ids = self.core.process_inputs(prompt)
-        self.core.check_sampling_params(params)
-        if not request_id or request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is empty or already in use")
-        if self.max_waiting_requests is not None and self.num_waiting_requests >= self.max_waiting_requests:
-            raise EngineOverloadedError(f"{self.num_waiting_requests} requests are already waiting "
-                                        f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._submit(("add", request_id, text, token_ids, params, cache_salt))
+        self.submit(request_id, prompt, sampling_params, queue.put_nowait, cache_salt=cache_salt,
+                    output_kind=output_kind)
         finished = False
         try:
             while not finished:
@@ -73,18 +91,21 @@ class AsyncLLM:
                 finished = item.finished
                 yield item
         finally:
-            self._queues.pop(request_id, None)
             if not finished:
-                self._submit(("abort", request_id))
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """End a request; its sink gets a final output with finish_reason "abort" (if it was running)."""
         self._submit(("abort", request_id))
 
     @property
     def num_waiting_requests(self) -> int:
-        """Admitted requests that are not running yet (queued here or in the scheduler)."""
+        """Admitted requests that will have to wait: those not running yet (queued here or in the
+        scheduler) beyond the free places of the running batch."""
+        scheduler = self.core.scheduler
         adds = sum(1 for c in self._commands if c[0] == "add")
-        return adds + len(self.core.scheduler.waiting)
+        free = max(0, scheduler.max_num_seqs - len(scheduler.running))
+        return max(0, adds + len(scheduler.waiting) - free)
 
     def cached_prefix_hashes(self, limit: int = 16384) -> bytes:
         """The prefix cache's block hashes, truncated to 8 bytes each and concatenated (a routing
@@ -98,22 +119,31 @@ class AsyncLLM:
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
         self._wakeup.set()
 
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._sinks[request_id]
+        sink(item)
+
     def _apply_commands(self) -> None:
         commands, self._commands = self._commands, []
         for command in commands:
             if command[0] == "add":
                 _, request_id, text, token_ids, params, cache_salt = command
-                if request_id not in self._queues:
-                    continue  # its caller left before the request started
+                if request_id not in self._sinks:
+                    continue  # aborted before it started
                 try:
                     self.core.add_processed_request(request_id, text, token_ids, params, cache_salt=cache_salt)
                 except ValueError as exc:
-                    self._queues[request_id].put_nowait(exc)
+                    self._deliver(request_id, exc)
             else:
                 output = self.core.abort_request(command[1])
-                queue = self._queues.get(command[1])
-                if output is not None and queue is not None:
-                    queue.put_nowait(output)  # ends the stream with finish_reason "abort"
+                if output is not None:
+                    self._deliver(command[1], output)  # ends the stream with finish_reason "abort"
+                else:
+                    self._sinks.pop(command[1], None)
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -132,15 +162,13 @@ class AsyncLLM:
                                EngineDeadError(f"engine step failed: {exc!r}"))
                 continue
             for output in outputs:
-                queue = self._queues.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
+                self._deliver(output.request_id, output)
             await asyncio.sleep(0)
 
     def _fail_all(self, error: BaseException) -> None:
-        for request_id, queue in list(self._queues.items()):
+        for request_id in list(self._sinks):
             self.core.abort_request(request_id)
-            queue.put_nowait(error)
+            self._deliver(request_id, error)
 
     def stats(self) -> dict:
         return self.core.stats()

@@ -152,39 +152,39 @@ def test_disconnect_mid_stream_frees_the_blocks(served):
 
 
 def test_queue_bound_gives_503_and_spares_the_rest(served):
-    """The replica holds max_num_seqs + max_waiting_requests = 8 requests and Serve queues 4 more;
-    with all 12 places taken, the next request gets 503 at once, a bad one 400, and the long
-    requests are unharmed (and freed when their clients leave)."""
+    """The replica holds max_num_seqs + max_waiting_requests = 8 requests (4 running, 4 waiting) and
+    the Ingress's handle queues 8 more; with all 16 places taken, the next request gets 503 at once,
+    a bad one 400, and the long requests are unharmed (and freed when their clients leave)."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     stop = threading.Event()
-    progress = [0] * 12
+    progress = [0] * 16
 
     def hold(i: int) -> None:  # a long stream, read until told to leave
         with httpx.stream("POST", f"{served['url']}/v1/completions", json={**body, "prompt": f"long {i}"},
                           headers=headers, timeout=120) as response:
+            assert response.status_code == 200
             for line in response.iter_lines():
                 progress[i] += line.startswith("data: {")
                 if stop.is_set():
                     return
 
-    threads = [threading.Thread(target=hold, args=(i,), daemon=True) for i in range(12)]
+    threads = [threading.Thread(target=hold, args=(i,), daemon=True) for i in range(16)]
     try:
-        for t in threads[:8]:
+        for t in threads:
             t.start()
+            time.sleep(0.05)
         wait_for(lambda: (m := metrics(served["url"]))["kvserve:num_requests_running"] == 4
                  and m["kvserve:num_requests_waiting"] == 4, timeout_s=60)
-        for t in threads[8:]:
-            t.start()
-        time.sleep(2)  # the last four are now queued in Serve's router
+        time.sleep(2)  # the last eight are now queued in the Ingress's router
         extra = httpx.post(f"{served['url']}/v1/completions", json={"model": MODEL, "prompt": "one more",
                            "max_tokens": 5}, headers=headers, timeout=30)
         assert extra.status_code == 503, extra.text
-        assert extra.json()["error"]["code"]
+        assert extra.json()["error"]["code"] == "engine_overloaded"
         bad = httpx.post(f"{served['url']}/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": -2},
                          headers=headers, timeout=30)
         assert bad.status_code == 400
-        assert sum(p > 0 for p in progress[:8]) == 4  # the four running ones are streaming
+        assert sum(p > 0 for p in progress) == 4  # the four running ones are streaming
     finally:
         stop.set()
         for t in threads:

@@ -1,0 +1,97 @@
+"""`kvserve bench-serve`: the Serve app over HTTP at several concurrencies against the offline engine
+on the same workload, threads and batch limit. Starts a local Ray cluster and the app itself, or
+measures a running server (--url)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from benchmarks.online import run_load, run_offline
+from benchmarks.workloads import distinct
+
+
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: the llama `small` preset)")
+    parser.add_argument("--url", help="measure this running server instead of starting one")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine, both modes")
+    parser.add_argument("--no-stream", action="store_true", help="also measure unstreamed requests")
+    parser.add_argument("--json", help="also write the report to this file")
+
+
+def _start_app(model: str, max_num_seqs: int, threads: int) -> tuple[str, float]:
+    import ray
+    from ray import serve
+
+    from serve_app import build_app
+
+    ray.init(num_cpus=threads + 2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    start = time.perf_counter()
+    serve.run(build_app({"model": model, "served_model_name": "bench", "max_num_seqs": max_num_seqs,
+                         "engine_cpus": threads, "torch_threads": threads}), name="bench", route_prefix="/")
+    return "http://127.0.0.1:8000", time.perf_counter() - start
+
+
+def bench_serve(model: str, *, url: str | None = None, concurrency: list[int], num_requests: int, prompt_len: int,
+                output_len: int, max_num_seqs: int, threads: int, unstreamed: bool = False) -> dict:
+    import torch
+
+    workload = distinct(model, num_requests, prompt_len, output_len)
+    torch.set_num_threads(threads)
+    offline = run_offline(model, workload.prompts, output_len, max_num_seqs=max_num_seqs)
+    deploy_s = None
+    if url is None:
+        url, deploy_s = _start_app(model, max_num_seqs, threads)
+    asyncio.run(run_load(url, "bench", workload.prompts[:4], 4, 4))  # warm-up
+    online = [asyncio.run(run_load(url, "bench", workload.prompts, output_len, c)) for c in concurrency]
+    if unstreamed:
+        online.append(asyncio.run(run_load(url, "bench", workload.prompts, output_len, concurrency[-1], stream=False)))
+    if deploy_s is not None:
+        from ray import serve
+
+        serve.shutdown()
+    return {"model": model, "threads": threads, "max_num_seqs": max_num_seqs, "deploy_s": deploy_s,
+            "workload": {"num_requests": num_requests, "prompt_len": prompt_len, "output_len": output_len},
+            "offline": offline, "online": online,
+            "saturation_ratio": max(r["output_tokens_per_s"] for r in online if r["concurrency"] == concurrency[-1])
+            / offline["output_tokens_per_s"]}
+
+
+def format_serve_report(report: dict) -> str:
+    w = report["workload"]
+    lines = [f"{w['num_requests']} requests x {w['prompt_len']} prompt tokens, {w['output_len']} output tokens, "
+             f"greedy; engine threads {report['threads']}, max_num_seqs {report['max_num_seqs']}", "",
+             "| mode | concurrency | output tok/s | TTFT p50 ms | latency p50 s |", "|---|---:|---:|---:|---:|"]
+    for r in report["online"]:
+        mode = "HTTP (Serve), streamed" if r["stream"] else "HTTP (Serve), unstreamed"
+        lines.append(f"| {mode} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | "
+                     f"{1000 * r['ttft_p50_s']:.0f} | {r['latency_p50_s']:.2f} |")
+    lines.append(f"| offline LLM | all at once | {report['offline']['output_tokens_per_s']:.1f} | - | - |")
+    lines.append("")
+    lines.append(f"HTTP at the highest concurrency / offline: {report['saturation_ratio']:.2f}")
+    if report["deploy_s"] is not None:
+        lines.append(f"app deploy (serve.run, model loaded): {report['deploy_s']:.1f}s")
+    return "\n".join(lines)
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    if args.model is None:
+        from workers.model_builder import default_model_dir
+
+        args.model = str(default_model_dir())
+    report = bench_serve(args.model, url=args.url, concurrency=args.concurrency, num_requests=args.num_requests,
+                         prompt_len=args.prompt_len, output_len=args.output_len, max_num_seqs=args.max_num_seqs,
+                         threads=args.threads, unstreamed=args.no_stream)
+    print(format_serve_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
