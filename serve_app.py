@@ -16,6 +16,7 @@ scales replicas with these resources accounted.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import uuid
 from typing import Literal
 
@@ -210,7 +211,10 @@ class ServeEngineClient:
     def _subscribe(self, engine_name: str) -> None:
         task = self._subscriptions.get(engine_name)
         if task is None or task.done():
-            self._subscriptions[engine_name] = asyncio.get_running_loop().create_task(self._pump(engine_name))
+            # a fresh context: a subscription started while serving one request must not be a child of
+            # that request's task, or cancelling the request (a client that left) would cancel it too
+            self._subscriptions[engine_name] = asyncio.get_running_loop().create_task(
+                self._pump(engine_name), context=contextvars.Context())
 
     async def _pump(self, engine_name: str) -> None:
         """Route the engine's batches to the waiting requests until the engine goes away."""

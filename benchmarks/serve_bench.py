@@ -1,6 +1,7 @@
 """`kvserve bench-serve`: the Serve app over HTTP at several concurrencies against the offline engine
 on the same workload, threads and batch limit. Starts a local Ray cluster and the app itself, or
-measures a running server (--url)."""
+measures a running server (--url). Prefix caching is off in both: the same prompts run repeatedly,
+and this measures the serving path, not the cache."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine, both modes")
     parser.add_argument("--no-stream", action="store_true", help="also measure unstreamed requests")
+    parser.add_argument("--repeats", type=int, default=2, help="offline / top-concurrency alternations")
     parser.add_argument("--json", help="also write the report to this file")
 
 
@@ -36,33 +38,62 @@ def _start_app(model: str, max_num_seqs: int, threads: int) -> tuple[str, float]
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     start = time.perf_counter()
     serve.run(build_app({"model": model, "served_model_name": "bench", "max_num_seqs": max_num_seqs,
-                         "engine_cpus": threads, "torch_threads": threads}), name="bench", route_prefix="/")
+                         "engine_cpus": threads, "torch_threads": threads, "enable_prefix_caching": False}),
+              name="bench", route_prefix="/")
     return "http://127.0.0.1:8000", time.perf_counter() - start
 
 
-def bench_serve(model: str, *, url: str | None = None, concurrency: list[int], num_requests: int, prompt_len: int,
-                output_len: int, max_num_seqs: int, threads: int, unstreamed: bool = False) -> dict:
+def _offline_in_fresh_process(model: str, prompts: list[list[int]], output_len: int, max_num_seqs: int,
+                              threads: int) -> dict:
+    """The offline engine in a process of its own (no Ray in it), beside the idle Serve cluster."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_offline_worker, (model, prompts, output_len, max_num_seqs, threads))
+
+
+def _offline_worker(model: str, prompts: list[list[int]], output_len: int, max_num_seqs: int, threads: int) -> dict:
     import torch
 
-    workload = distinct(model, num_requests, prompt_len, output_len)
     torch.set_num_threads(threads)
-    offline = run_offline(model, workload.prompts, output_len, max_num_seqs=max_num_seqs)
+    return run_offline(model, prompts, output_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+
+
+def bench_serve(model: str, *, url: str | None = None, concurrency: list[int], num_requests: int, prompt_len: int,
+                output_len: int, max_num_seqs: int, threads: int, unstreamed: bool = False, repeats: int = 2) -> dict:
+    """Offline and HTTP at the highest concurrency alternate ``repeats`` times (this machine's speed
+    drifts; the ratio is of medians); lower concurrencies run once."""
+    workload = distinct(model, num_requests, prompt_len, output_len)
     deploy_s = None
     if url is None:
         url, deploy_s = _start_app(model, max_num_seqs, threads)
+    load = lambda c, stream=True: asyncio.run(run_load(url, "bench", workload.prompts, output_len, c, stream=stream))  # noqa: E731
     asyncio.run(run_load(url, "bench", workload.prompts[:4], 4, 4))  # warm-up
-    online = [asyncio.run(run_load(url, "bench", workload.prompts, output_len, c)) for c in concurrency]
-    if unstreamed:
-        online.append(asyncio.run(run_load(url, "bench", workload.prompts, output_len, concurrency[-1], stream=False)))
+    online = [load(c) for c in concurrency[:-1]]
+    offline_runs, top_runs, unstreamed_runs = [], [], []
+    for _ in range(repeats):
+        offline_runs.append(_offline_in_fresh_process(model, workload.prompts, output_len, max_num_seqs, threads))
+        top_runs.append(load(concurrency[-1]))
+        if unstreamed:
+            unstreamed_runs.append(load(concurrency[-1], stream=False))
     if deploy_s is not None:
         from ray import serve
 
         serve.shutdown()
+    median = lambda runs: sorted(runs, key=lambda r: r["output_tokens_per_s"])[(len(runs) - 1) // 2]  # noqa: E731
+    online.append(median(top_runs))
+    if unstreamed:
+        online.append(median(unstreamed_runs))
+    offline = median(offline_runs)
     return {"model": model, "threads": threads, "max_num_seqs": max_num_seqs, "deploy_s": deploy_s,
             "workload": {"num_requests": num_requests, "prompt_len": prompt_len, "output_len": output_len},
-            "offline": offline, "online": online,
-            "saturation_ratio": max(r["output_tokens_per_s"] for r in online if r["concurrency"] == concurrency[-1])
-            / offline["output_tokens_per_s"]}
+            "offline": offline, "online": online, "repeats": repeats,
+            "samples_tok_s": {"offline": [r["output_tokens_per_s"] for r in offline_runs],
+                              "streamed": [r["output_tokens_per_s"] for r in top_runs],
+                              "unstreamed": [r["output_tokens_per_s"] for r in unstreamed_runs]},
+            "saturation_ratio": online[len(concurrency) - 1]["output_tokens_per_s"] / offline["output_tokens_per_s"],
+            "saturation_ratio_unstreamed": (online[-1]["output_tokens_per_s"] / offline["output_tokens_per_s"]
+                                            if unstreamed else None)}
 
 
 def format_serve_report(report: dict) -> str:
@@ -76,7 +107,11 @@ def format_serve_report(report: dict) -> str:
                      f"{1000 * r['ttft_p50_s']:.0f} | {r['latency_p50_s']:.2f} |")
     lines.append(f"| offline LLM | all at once | {report['offline']['output_tokens_per_s']:.1f} | - | - |")
     lines.append("")
-    lines.append(f"HTTP at the highest concurrency / offline: {report['saturation_ratio']:.2f}")
+    lines.append(f"highest concurrency / offline (medians of {report['repeats']}): streamed "
+                 f"{report['saturation_ratio']:.2f}" + (f", unstreamed {report['saturation_ratio_unstreamed']:.2f}"
+                                                         if report["saturation_ratio_unstreamed"] else ""))
+    lines.append("samples (tok/s): " + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in vs)}"
+                                                for k, vs in report["samples_tok_s"].items() if vs))
     if report["deploy_s"] is not None:
         lines.append(f"app deploy (serve.run, model loaded): {report['deploy_s']:.1f}s")
     return "\n".join(lines)
@@ -89,7 +124,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         args.model = str(default_model_dir())
     report = bench_serve(args.model, url=args.url, concurrency=args.concurrency, num_requests=args.num_requests,
                          prompt_len=args.prompt_len, output_len=args.output_len, max_num_seqs=args.max_num_seqs,
-                         threads=args.threads, unstreamed=args.no_stream)
+                         threads=args.threads, unstreamed=args.no_stream, repeats=args.repeats)
     print(format_serve_report(report))
     if args.json:
         with open(args.json, "w") as f:

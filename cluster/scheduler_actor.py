@@ -124,10 +124,10 @@ class SchedulerActor:
         return self.engine.stats()
 
     def routing_stats(self) -> dict:
-        """What a prefix-aware router needs: the cached block hashes and the load."""
-        scheduler = self.engine.core.scheduler
-        return {"prefix_hashes": self.engine.cached_prefix_hashes(), "block_size": self.config.cache.block_size,
-                "num_waiting": self.engine.num_waiting_requests, "num_running": len(scheduler.running)}
+        """What a prefix-aware router needs: the cached block hashes. (Load comes from Serve's own
+        queue lengths; reporting it here would change the stats, and make Serve's controller
+        rebroadcast them, every period.)"""
+        return {"prefix_hashes": self.engine.cached_prefix_hashes(), "block_size": self.config.cache.block_size}
 
     def placement(self) -> dict:
         """Placement group ids of this actor and of its ranks (tp > 1)."""

@@ -40,6 +40,6 @@ def test_kernels_import_nothing_of_the_project():
 
 
 def test_only_the_cluster_layer_imports_ray():
-    for package in ("engine", "workers", "kernels", "benchmarks"):
+    for package in ("engine", "workers", "kernels", "api"):
         for path, names in imported_modules(package).items():
             assert "ray" not in names, f"{path} imports ray"
