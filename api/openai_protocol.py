@@ -94,6 +94,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
+    return_token_ids: bool = False  # vLLM extra: each choice (and stream chunk) carries its token ids
     suffix: str | None = None
 
     @field_validator("prompt", mode="wrap")

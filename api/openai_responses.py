@@ -70,10 +70,13 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended the choice
+    token_ids: list[int] | None = None  # the choice's generated token ids, with return_token_ids
 
     def extend(self, delta: CompletionChoice) -> None:
         """Append a later delta of the same choice."""
         self.text += delta.text
+        if self.token_ids is not None and delta.token_ids is not None:
+            self.token_ids.extend(delta.token_ids)
         if self.logprobs is not None and delta.logprobs is not None:
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(self.logprobs, name).extend(getattr(delta.logprobs, name))

@@ -97,7 +97,7 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(request_id, prompts, params, req.cache_salt)
         usage = UsageCounter(prompts)
-        choices = self._completion_choices(streams, params, usage, echo)
+        choices = self._completion_choices(streams, params, usage, echo, req.return_token_ids)
         if req.stream:
             return self._event_stream(self._completion_chunks(request_id, choices, usage, req.include_usage), streams)
         merged: dict[int, CompletionChoice] = {}
@@ -214,7 +214,8 @@ class OpenAIServing:
                 yield prompt_index * n + sample.index, sample
 
     async def _completion_choices(self, streams: EngineStreams, params: SamplingParams, usage: UsageCounter,
-                                  echo: list[str] | None) -> AsyncIterator[CompletionChoice]:
+                                  echo: list[str] | None, token_ids: bool = False
+                                  ) -> AsyncIterator[CompletionChoice]:
         """One delta choice per engine delta per sample: echoed prompt first, logprobs with offsets."""
         offsets: dict[int, int] = {}  # choice index -> characters so far, once the choice started
         async for index, sample in self._samples(streams, params.n, usage):
@@ -225,7 +226,8 @@ class OpenAIServing:
             if params.logprobs is not None:
                 logprobs, offsets[index] = completion_logprobs(self.token_texts, sample, offsets[index])
             yield CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                   finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
+                                   finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                                   token_ids=list(sample.token_ids) if token_ids else None)
 
     async def _chat_choices(self, streams: EngineStreams, params: SamplingParams, usage: UsageCounter
                             ) -> AsyncIterator[ChatStreamChoice]:
@@ -240,7 +242,7 @@ class OpenAIServing:
                                  usage: UsageCounter, include_usage: bool) -> AsyncIterator[BaseModel]:
         name = self.served_model_name
         async for choice in choices:
-            if choice.text or choice.finish_reason or choice.logprobs:
+            if choice.text or choice.finish_reason or choice.logprobs or choice.token_ids:
                 yield CompletionStreamResponse(id=request_id, model=name, choices=[choice])
         if include_usage:
             yield CompletionStreamResponse(id=request_id, model=name, choices=[], usage=usage.info())

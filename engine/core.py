@@ -194,6 +194,9 @@ class EngineCore:
             "num_kv_blocks": pool.num_blocks,
             "num_cached_blocks": len(pool.cached),
             "kv_cache_usage": pool.usage,
+            "kv_cache_waste": self._waste_now(),
+            "kv_cache_usage_peak": s.kv_peak_blocks / pool.num_usable_blocks,
+            "kv_waste_at_peak": s.kv_waste_at_peak,
             "block_size": self.config.cache.block_size,
             "num_requests_running": len(sched.running),
             "num_requests_waiting": len(sched.waiting),
@@ -213,6 +216,10 @@ class EngineCore:
             },
             **self.executor.kv_cache_info(),
         }
+
+    def _waste_now(self) -> float:
+        used, empty = self.scheduler.kv_occupancy()
+        return empty / (used * self.config.cache.block_size) if used else 0.0
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

@@ -49,6 +49,8 @@ class SchedulerStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
+    kv_peak_blocks: int = 0  # most blocks held by requests after any schedule
+    kv_waste_at_peak: float = 0.0  # share of the slots in those blocks that held no token then
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -91,6 +93,9 @@ _COUNTERS = {
 _GAUGES = {
     "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens."),
     "kv_cache_usage": ("kv_cache_usage_perc", "Share of KV blocks held by requests (0-1)."),
+    "kv_cache_waste": ("kv_cache_waste_perc", "Share of the slots in held blocks that hold no token (0-1)."),
+    "kv_cache_usage_peak": ("kv_cache_usage_peak_perc", "Most KV blocks ever held at once, as a share (0-1)."),
+    "kv_waste_at_peak": ("kv_cache_waste_at_peak_perc", "Empty slots in held blocks at that peak (0-1)."),
     "num_requests_running": ("num_requests_running", "Requests in the running batch."),
     "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
 }

@@ -116,7 +116,27 @@ class Scheduler:
             self._dropped_ids = set()
         for request_id, n in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += n
+        self._track_kv_peak()
         return output
+
+    # --- KV occupancy ---------------------------------------------------------------------------------
+
+    def kv_occupancy(self) -> tuple[int, int]:
+        """(blocks held by requests, slots in them that hold no token). Shared blocks are full ones
+        (prefix hits and forks share only full blocks), so the empty slots are the tails of each
+        running request's last block: no walk over the tables is needed."""
+        pool = self.kv.block_pool
+        block_size = self.kv.block_size
+        empty = sum(len(self.kv.req_to_blocks.get(r.request_id, ())) * block_size - r.num_computed_tokens
+                    for r in self.running)
+        return pool.num_usable_blocks - pool.num_free_blocks, empty
+
+    def _track_kv_peak(self) -> None:
+        pool = self.kv.block_pool
+        used = pool.num_usable_blocks - pool.num_free_blocks
+        if used > self.stats.kv_peak_blocks:
+            self.stats.kv_peak_blocks = used
+            self.stats.kv_waste_at_peak = self.kv_occupancy()[1] / (used * self.kv.block_size)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         """Allocate ``num_new`` slots for a running request, preempting the newest running requests

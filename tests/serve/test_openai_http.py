@@ -37,6 +37,25 @@ def test_greedy_completion_equals_offline_llm(client, offline, run):
     assert usage_chunk.choices == [] and usage_chunk.usage == full.usage
 
 
+def test_return_token_ids_whole_and_streamed(client, offline, run):
+    expected = reference(offline, "The sky at sunset is", temperature=0.0, max_tokens=8, ignore_eos=True)
+    with_ids = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+    async def main():
+        full = await client.completions.create(model=MODEL, prompt="The sky at sunset is", max_tokens=8,
+                                               **with_ids)
+        stream = await client.completions.create(model=MODEL, prompt="The sky at sunset is", max_tokens=8,
+                                                 stream=True, **with_ids)
+        return full, [chunk async for chunk in stream]
+
+    full, chunks = run(main())
+    assert full.choices[0].model_extra["token_ids"] == expected.token_ids
+    streamed = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    assert streamed == expected.token_ids and all(c.choices[0].model_extra["token_ids"] for c in chunks)
+    plain = run(client.completions.create(model=MODEL, prompt="The sky at sunset is", max_tokens=2, **GREEDY))
+    assert plain.choices[0].model_extra.get("token_ids") is None
+
+
 def test_multiple_prompts_and_n_order_choices_by_prompt_then_sample(client, offline, prompts, run):
     batch = [prompts[1], prompts[2]]
     expected = [reference(offline, p, temperature=0.0, max_tokens=6, ignore_eos=True).text for p in batch]
