@@ -1,31 +1,56 @@
-"""`kvserve bench`: kvserve with prefix caching on and off against Hugging Face static batching on
-the shared-prefix workload, plus the engine's step overhead at a full decode batch."""
+"""`kvserve bench`: kvserve against its peers on the same checkpoint, prompts and threads.
+
+Offline, each system runs each workload in this process: Hugging Face `generate` with static
+batches, Hugging Face continuous batching (`generate_batch`, paged attention), and kvserve's engine
+with prefix caching off and on. Online, the Serve app (started here on a local Ray cluster, or the
+server at --url) takes the same workloads over HTTP at fixed concurrencies and/or Poisson rates.
+Results go to the terminal and to --out as JSON, Markdown and PNG plots.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import os
 import platform
+import shlex
 import sys
+import time
+import uuid
 
 import torch
 
-from benchmarks.hf_peer import run_hf_static
+from benchmarks.hf_peer import run_hf_continuous, run_hf_static
 from benchmarks.offline import measure_step_overhead, run_kvserve
-from benchmarks.workloads import shared_prefix
+from benchmarks.online import run_online
+from benchmarks.report import format_console, write_report
+from benchmarks.targets import evaluate_targets
+from benchmarks.workloads import WORKLOADS, build_workload
+
+SYSTEMS = ("hf-static", "hf-continuous", "kvserve-nocache", "kvserve-cache", "serve-http")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: the llama `small` preset, built if missing)")
-    parser.add_argument("--num-requests", type=int, default=48)
-    parser.add_argument("--prefix-len", type=int, default=512)
-    parser.add_argument("--suffix-len", type=int, default=30)
-    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--workload", nargs="+", choices=(*WORKLOADS, "all"), default=["shared-system-prompt"])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--scale", type=float, default=1.0, help="workload size factor (1.0: 64 requests)")
+    parser.add_argument("--output-len", type=int, help="output tokens per request (default: the workload's)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, every system alike")
     parser.add_argument("--hf-batch-size", type=int, default=8)
-    parser.add_argument("--overhead-seqs", type=int, default=64, help="running sequences for the overhead probe")
-    parser.add_argument("--skip-hf", action="store_true", help="leave out the Hugging Face peer")
-    parser.add_argument("--json", help="also write the report to this file")
+    parser.add_argument("--block-size", type=int, default=8, help="kvserve's KV block size in tokens (8 halves "
+                        "the partly filled tail blocks of 16; both are cheap on CPU)")
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32],
+                        help="online: requests in flight, one run each")
+    parser.add_argument("--request-rate", type=float, nargs="*", default=[],
+                        help="online: Poisson arrival rates (requests/s), one run each")
+    parser.add_argument("--url", help="online: measure this running server instead of starting the Serve app")
+    parser.add_argument("--served-model-name", default="bench", help="online: the model name the server serves")
+    parser.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"), help="online: the server's key")
+    parser.add_argument("--overhead-seqs", type=int, default=64, help="running sequences for the overhead probe "
+                        "(0 to skip it)")
+    parser.add_argument("--out", default="bench-results", help="directory for report.json, report.md and plots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -33,58 +58,136 @@ def run_bench(args: argparse.Namespace) -> int:
         from workers.model_builder import default_model_dir
 
         args.model = str(default_model_dir())
-    report = bench(args.model, num_requests=args.num_requests, prefix_len=args.prefix_len,
-                   suffix_len=args.suffix_len, output_len=args.output_len, hf_batch_size=args.hf_batch_size,
-                   overhead_seqs=args.overhead_seqs, include_hf=not args.skip_hf)
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    workloads = list(WORKLOADS) if "all" in args.workload else args.workload
+    report = bench(args.model, workloads=workloads, systems=args.systems, scale=args.scale,
+                   output_len=args.output_len, threads=args.threads, hf_batch_size=args.hf_batch_size,
+                   block_size=args.block_size,
+                   concurrency=args.concurrency, request_rates=args.request_rate, url=args.url,
+                   served_model_name=args.served_model_name, api_key=args.api_key, overhead_seqs=args.overhead_seqs,
+                   progress=not args.no_progress, command="kvserve bench " + shlex.join(sys.argv[2:]))
+    print(format_console(report))
+    paths = write_report(report, args.out)
+    print(f"\nwrote {paths['json']}, {paths['markdown']} and {len(paths['plots'])} plots in {args.out}")
     return 0
 
 
-def bench(model: str, *, num_requests: int = 48, prefix_len: int = 512, suffix_len: int = 30, output_len: int = 32,
-          hf_batch_size: int = 8, overhead_seqs: int = 64, include_hf: bool = True) -> dict:
-    workload = shared_prefix(model, num_requests, prefix_len, suffix_len, output_len)
-    max_len = max(map(len, workload.prompts)) + output_len
-    engine_kwargs = {"max_model_len": max_len}
-    runs = [run_kvserve(model, workload, enable_prefix_caching=True, **engine_kwargs),
-            run_kvserve(model, workload, enable_prefix_caching=False, **engine_kwargs)]
-    if include_hf:
-        runs.append(run_hf_static(model, workload, hf_batch_size))
-    on, off = runs[0], runs[1]
-    token_ids = [r.pop("token_ids", None) for r in runs]
-    report = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": sys.version.split()[0]},
-        "model": model,
-        "workload": {"name": workload.name, "num_requests": num_requests, "prefix_len": prefix_len,
-                     "suffix_len": suffix_len, "output_len": output_len,
-                     "prompt_tokens": workload.num_prompt_tokens},
-        "runs": runs,
-        "same_tokens_cache_on_off": token_ids[0] == token_ids[1],
-        "speedup_cache_vs_nocache": on["output_tokens_per_s"] / off["output_tokens_per_s"],
-        "overhead": measure_step_overhead(model, num_seqs=overhead_seqs),
+class _Progress:
+    """A tqdm bar per run (to stderr), or nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __call__(self, total: int, desc: str):
+        from contextlib import nullcontext
+
+        if not self.enabled:
+            return nullcontext(None)
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def _updater(bar):
+    return None if bar is None else bar.update
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of requests whose greedy tokens are identical in both runs."""
+    return sum(x == y for x, y in zip(a, b)) / len(a) if a else 0.0
+
+
+def _offline_runs(model: str, workload, systems: list[str], hf_batch_size: int, block_size: int,
+                  bars: _Progress) -> list[dict]:
+    runners = {
+        "hf-static": lambda p: run_hf_static(model, workload, hf_batch_size, progress=p),
+        "hf-continuous": lambda p: run_hf_continuous(model, workload, progress=p),
+        "kvserve-nocache": lambda p: run_kvserve(model, workload, enable_prefix_caching=False, progress=p,
+                                                 block_size=block_size),
+        "kvserve-cache": lambda p: run_kvserve(model, workload, enable_prefix_caching=True, progress=p,
+                                               block_size=block_size),
     }
-    if include_hf:
-        report["speedup_cache_vs_hf_static"] = on["output_tokens_per_s"] / runs[2]["output_tokens_per_s"]
+    runs = []
+    for system in (s for s in SYSTEMS if s in systems and s in runners):
+        with bars(len(workload.requests), f"{workload.name} / {system}") as bar:
+            runs.append(runners[system](_updater(bar)))
+    tokens = {run["name"]: run.pop("token_ids") for run in runs}
+    cache = tokens.get("kvserve-cache")
+    for run in runs:
+        if cache is not None and run["name"] != "kvserve-cache":
+            run["same_tokens_as_kvserve_cache"] = _agreement(tokens[run["name"]], cache)
+    return runs
+
+
+def _start_serve_app(model: str, threads: int, max_num_seqs: int, block_size: int) -> tuple[str, float]:
+    from benchmarks.serve_bench import start_app
+
+    return start_app(model, max_num_seqs, threads, enable_prefix_caching=True, block_size=block_size)
+
+
+def _online_runs(url: str, served_name: str, api_key: str | None, workload, concurrency: list[int],
+                 rates: list[float], bars: _Progress) -> list[dict]:
+    runs = []
+    loads = [{"concurrency": c} for c in concurrency] + [{"request_rate": r} for r in rates]
+    for load in loads:
+        label = f"c={load['concurrency']}" if "concurrency" in load else f"{load['request_rate']:g} req/s"
+        with bars(len(workload.requests), f"{workload.name} / serve-http {label}") as bar:
+            run = asyncio.run(run_online(url, served_name, workload, progress=_updater(bar), api_key=api_key,
+                                         cache_salt=uuid.uuid4().hex, **load))
+        run.pop("token_ids")
+        runs.append(run)
+    return runs
+
+
+def _model_params(model: str) -> int:
+    import math
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(model).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    return total
+
+
+def bench(model: str, *, workloads: list[str], systems: list[str], scale: float = 1.0, output_len: int | None = None,
+          threads: int = 2, hf_batch_size: int = 8, block_size: int = 8, concurrency: list[int] = (1, 8, 32),
+          request_rates: list[float] = (), url: str | None = None, served_model_name: str = "bench",
+          api_key: str | None = None, overhead_seqs: int = 64, progress: bool = True, command: str = "kvserve bench") -> dict:
+    torch.set_num_threads(threads)
+    bars = _Progress(progress)
+    built = {name: build_workload(name, model, scale, output_len) for name in workloads}
+    report = {
+        "command": command,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": threads,
+                    "torch": torch.__version__, "python": sys.version.split()[0]},
+        "model": model, "model_params": _model_params(model), "kvserve": {"block_size": block_size},
+        "workloads": {},
+    }
+    for name, workload in built.items():
+        report["workloads"][name] = {"description": workload.description, "num_requests": len(workload.requests),
+                                     "prompt_tokens": workload.num_prompt_tokens,
+                                     "runs": _offline_runs(model, workload, systems, hf_batch_size, block_size,
+                                                           bars)}
+    if overhead_seqs and ("kvserve-cache" in systems or "kvserve-nocache" in systems):
+        report["overhead"] = measure_step_overhead(model, num_seqs=overhead_seqs, block_size=block_size)
+    if "serve-http" in systems and (concurrency or request_rates):
+        deploy_s = None
+        if url is None:
+            url, deploy_s = _start_serve_app(model, threads, 256, block_size)
+            served_model_name = "bench"
+        try:
+            for name, workload in built.items():
+                report["workloads"][name]["online"] = _online_runs(url, served_model_name, api_key, workload,
+                                                                   list(concurrency), list(request_rates), bars)
+        finally:
+            if deploy_s is not None:
+                from ray import serve
+
+                serve.shutdown()
+        report["serve"] = {"url": url, "deploy_s": deploy_s}
+    for name, section in report["workloads"].items():
+        section["targets"] = evaluate_targets(name, section, report.get("overhead"))
+    report["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return report
-
-
-def format_report(report: dict) -> str:
-    w = report["workload"]
-    lines = [f"shared-prefix: {w['num_requests']} requests, {w['prefix_len']}-token prefix, ~{w['suffix_len']}-token "
-             f"suffixes, {w['output_len']} output tokens, greedy; torch threads {report['machine']['torch_threads']}",
-             "", "| run | output tok/s | elapsed s | prefix hit rate |", "|---|---:|---:|---:|"]
-    for run in report["runs"]:
-        rate = f"{run['prefix_cache_hit_rate']:.3f}" if "prefix_cache_hit_rate" in run else "-"
-        lines.append(f"| {run['name']} | {run['output_tokens_per_s']:.1f} | {run['elapsed_s']:.2f} | {rate} |")
-    lines.append("")
-    lines.append(f"caching on / off: {report['speedup_cache_vs_nocache']:.2f}x"
-                 f" (same tokens: {report['same_tokens_cache_on_off']})")
-    if "speedup_cache_vs_hf_static" in report:
-        lines.append(f"caching on / HF static: {report['speedup_cache_vs_hf_static']:.2f}x")
-    o = report["overhead"]
-    lines.append(f"step overhead at {o['num_running']} running sequences: {100 * o['overhead_fraction']:.1f}% "
-                 f"(step {o['step_ms']:.1f} ms, forward {o['forward_ms']:.1f} ms)")
-    return "\n".join(lines)

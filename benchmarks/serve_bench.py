@@ -10,8 +10,9 @@ import asyncio
 import json
 import time
 
-from benchmarks.online import run_load, run_offline
-from benchmarks.workloads import distinct
+from benchmarks.offline import run_kvserve
+from benchmarks.online import run_online
+from benchmarks.workloads import BenchRequest, Workload, distinct
 
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +29,9 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="also write the report to this file")
 
 
-def _start_app(model: str, max_num_seqs: int, threads: int) -> tuple[str, float]:
+def start_app(model: str, max_num_seqs: int, threads: int, enable_prefix_caching: bool = False,
+              block_size: int = 16) -> tuple[str, float]:
+    """A local Ray cluster and the Serve app on 127.0.0.1:8000; returns its URL and deploy time."""
     import ray
     from ray import serve
 
@@ -38,25 +41,30 @@ def _start_app(model: str, max_num_seqs: int, threads: int) -> tuple[str, float]
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     start = time.perf_counter()
     serve.run(build_app({"model": model, "served_model_name": "bench", "max_num_seqs": max_num_seqs,
-                         "engine_cpus": threads, "torch_threads": threads, "enable_prefix_caching": False}),
+                         "engine_cpus": threads, "torch_threads": threads,
+                         "enable_prefix_caching": enable_prefix_caching, "block_size": block_size}),
               name="bench", route_prefix="/")
     return "http://127.0.0.1:8000", time.perf_counter() - start
 
 
-def _offline_in_fresh_process(model: str, prompts: list[list[int]], output_len: int, max_num_seqs: int,
-                              threads: int) -> dict:
+def _offline_in_fresh_process(model: str, workload: Workload, max_num_seqs: int, threads: int) -> dict:
     """The offline engine in a process of its own (no Ray in it), beside the idle Serve cluster."""
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_offline_worker, (model, prompts, output_len, max_num_seqs, threads))
+        return pool.apply(_offline_worker, (model, workload, max_num_seqs, threads))
 
 
-def _offline_worker(model: str, prompts: list[list[int]], output_len: int, max_num_seqs: int, threads: int) -> dict:
+def _offline_worker(model: str, workload: Workload, max_num_seqs: int, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    return run_offline(model, prompts, output_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+    return _light(run_kvserve(model, workload, enable_prefix_caching=False, max_num_seqs=max_num_seqs))
+
+
+def _light(run: dict) -> dict:
+    """A run without its per-token payload."""
+    return {k: v for k, v in run.items() if k not in ("token_ids", "timeline", "ttft_samples_s")}
 
 
 def bench_serve(model: str, *, url: str | None = None, concurrency: list[int], num_requests: int, prompt_len: int,
@@ -66,13 +74,16 @@ def bench_serve(model: str, *, url: str | None = None, concurrency: list[int], n
     workload = distinct(model, num_requests, prompt_len, output_len)
     deploy_s = None
     if url is None:
-        url, deploy_s = _start_app(model, max_num_seqs, threads)
-    load = lambda c, stream=True: asyncio.run(run_load(url, "bench", workload.prompts, output_len, c, stream=stream))  # noqa: E731
-    asyncio.run(run_load(url, "bench", workload.prompts[:4], 4, 4))  # warm-up
+        url, deploy_s = start_app(model, max_num_seqs, threads)
+    def load(concurrency: int, stream: bool = True) -> dict:
+        return _light(asyncio.run(run_online(url, "bench", workload, concurrency=concurrency, stream=stream)))
+
+    warm_up = Workload("warm-up", [BenchRequest(r.prompt, 4) for r in workload.requests[:4]])
+    asyncio.run(run_online(url, "bench", warm_up, concurrency=4))
     online = [load(c) for c in concurrency[:-1]]
     offline_runs, top_runs, unstreamed_runs = [], [], []
     for _ in range(repeats):
-        offline_runs.append(_offline_in_fresh_process(model, workload.prompts, output_len, max_num_seqs, threads))
+        offline_runs.append(_offline_in_fresh_process(model, workload, max_num_seqs, threads))
         top_runs.append(load(concurrency[-1]))
         if unstreamed:
             unstreamed_runs.append(load(concurrency[-1], stream=False))
@@ -102,9 +113,9 @@ def format_serve_report(report: dict) -> str:
              f"greedy; engine threads {report['threads']}, max_num_seqs {report['max_num_seqs']}", "",
              "| mode | concurrency | output tok/s | TTFT p50 ms | latency p50 s |", "|---|---:|---:|---:|---:|"]
     for r in report["online"]:
-        mode = "HTTP (Serve), streamed" if r["stream"] else "HTTP (Serve), unstreamed"
+        mode = "HTTP (Serve), unstreamed" if r["name"].endswith("unstreamed") else "HTTP (Serve), streamed"
         lines.append(f"| {mode} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | "
-                     f"{1000 * r['ttft_p50_s']:.0f} | {r['latency_p50_s']:.2f} |")
+                     f"{1000 * r['ttft_s']['p50']:.0f} | {r['e2e_s']['p50']:.2f} |")
     lines.append(f"| offline LLM | all at once | {report['offline']['output_tokens_per_s']:.1f} | - | - |")
     lines.append("")
     lines.append(f"highest concurrency / offline (medians of {report['repeats']}): streamed "

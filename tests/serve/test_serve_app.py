@@ -202,3 +202,37 @@ def test_queue_bound_gives_503_and_spares_the_rest(served):
     assert set(statuses.values()) <= {200, 503} and list(statuses.values()).count(200) >= 12
     wait_for(lambda: (m := metrics(served["url"]))["kvserve:num_requests_running"] == 0
              and m["kvserve:num_requests_waiting"] == 0 and m["kvserve:kv_cache_usage_perc"] == 0.0, timeout_s=60)
+
+
+def test_bench_online_every_workload_through_serve(served, offline):
+    """`kvserve bench` against the running app: every workload at a fixed concurrency and at a
+    Poisson rate, tokens counted from the stream equal to those asked for and to the offline
+    engine's greedy tokens; the server's prefix cache shows in the hit rate."""
+    from benchmarks.cli import bench
+    from benchmarks.online import run_online
+    from benchmarks.workloads import WORKLOADS, build_workload
+
+    report = bench(served["model_dir"], workloads=list(WORKLOADS), systems=["serve-http"], scale=0.05,
+                   output_len=3, concurrency=[2], request_rates=[20.0], url=served["url"],
+                   served_model_name=MODEL, api_key=API_KEY, overhead_seqs=0, progress=False)
+    for name, section in report["workloads"].items():
+        workload = build_workload(name, served["model_dir"], 0.05, 3)
+        wanted = sum(r.output_len for r in workload.requests)
+        assert [run["name"] for run in section["online"]] == ["kvserve-serve-http-c2", "kvserve-serve-http-r20"]
+        for run in section["online"]:
+            assert run["num_failed"] == 0, run["errors"]
+            assert run["output_tokens"] == wanted and run["itl_s"]["count"] == wanted - len(workload.requests)
+            assert 0.0 <= run["prefix_cache_hit_rate"] <= 1.0 and run["num_preemptions"] == 0
+            assert 0 < run["ttft_s"]["p50"] <= run["e2e_s"]["p99"] <= run["elapsed_s"]
+    shared = report["workloads"]["shared-system-prompt"]["online"][0]
+    assert shared["prefix_cache_hit_rate"] > 0.5  # a fresh cache salt per run: only in-run reuse counts
+
+    import asyncio
+
+    workload = build_workload("mixed", served["model_dir"], 0.05, 3)
+    run = asyncio.run(run_online(served["url"], MODEL, workload, concurrency=2, api_key=API_KEY))
+    expected = offline.generate([{"prompt_token_ids": r.prompt} for r in workload.requests],
+                                [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+                                 for r in workload.requests])
+    assert run["token_ids"] == [o.outputs[0].token_ids for o in expected]
+
