@@ -35,7 +35,7 @@ serve: install
 	$(BIN)/serve run infra/serve_config.yaml
 
 bench: install
-	$(BIN)/kvserve bench
+	$(BIN)/kvserve bench --workload all --out docs/bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -40,9 +40,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=8, help="kvserve's KV block size in tokens (8 halves "
                         "the partly filled tail blocks of 16; both are cheap on CPU)")
-    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32],
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 64],
                         help="online: requests in flight, one run each")
-    parser.add_argument("--request-rate", type=float, nargs="*", default=[],
+    parser.add_argument("--request-rate", type=float, nargs="*", default=[4.0],
                         help="online: Poisson arrival rates (requests/s), one run each")
     parser.add_argument("--url", help="online: measure this running server instead of starting the Serve app")
     parser.add_argument("--served-model-name", default="bench", help="online: the model name the server serves")
@@ -152,7 +152,7 @@ def _model_params(model: str) -> int:
 
 
 def bench(model: str, *, workloads: list[str], systems: list[str], scale: float = 1.0, output_len: int | None = None,
-          threads: int = 2, hf_batch_size: int = 8, block_size: int = 8, concurrency: list[int] = (1, 8, 32),
+          threads: int = 2, hf_batch_size: int = 8, block_size: int = 8, concurrency: list[int] = (8, 64),
           request_rates: list[float] = (), url: str | None = None, served_model_name: str = "bench",
           api_key: str | None = None, overhead_seqs: int = 64, progress: bool = True, command: str = "kvserve bench") -> dict:
     torch.set_num_threads(threads)

@@ -124,30 +124,37 @@ def _ttft_distribution(report: dict):
 
 
 def _hit_rate_over_time(report: dict):
-    """Cumulative prefix-cache hit rate (top) and KV cache usage (bottom) over each run's timeline."""
+    """Per workload (one column each): the cumulative prefix-cache hit rate (top) and the share of KV
+    blocks in use (bottom) over each run's timeline."""
     from matplotlib.ticker import PercentFormatter
 
-    series = [(f"{name} / {run['name']}", run["timeline"])
-              for name, section in (report.get("workloads") or {}).items()
-              for _, run in _runs(section) if run.get("timeline")]
-    if not series:
+    columns = [(name, [(run["name"], run["timeline"]) for _, run in _runs(section) if run.get("timeline")])
+               for name, section in (report.get("workloads") or {}).items()]
+    columns = [(name, series) for name, series in columns if series]
+    if not columns:
         return None
-    fig, axes = _figure(2, 1, size=(8.0, 6.5), sharex=True)
-    panels = ((axes[0][0], "prefix_cache_hit_rate", "hit rate (cumulative)", "Prefix-cache hit rate over time"),
-              (axes[1][0], "kv_cache_usage", "KV blocks in use", "KV cache usage over time"))
-    for i, (label, timeline) in enumerate(series):
-        for ax, key, _, _ in panels:
-            points = [(p["t"], p[key]) for p in timeline if p.get("t") is not None and p.get(key) is not None]
-            if points:
-                ax.plot(*zip(*points), color=f"C{i % 10}", label=label)
-    for ax, _, ylabel, title in panels:
-        ax.set_ylim(0, 1.02)
-        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[1][0].set_xlabel("time since run start (s)")
-    axes[0][0].legend(fontsize="small")
+    fig, axes = _figure(2, len(columns), size=(4.2 * len(columns), 6.5))
+    for col, (workload, series) in enumerate(columns):
+        top, bottom = axes[0][col], axes[1][col]
+        peak = 0.0
+        for i, (label, timeline) in enumerate(series):
+            points = [p for p in timeline if p.get("t") is not None]
+            top.plot([p["t"] for p in points], [p.get("prefix_cache_hit_rate") or 0.0 for p in points],
+                     color=f"C{i % 10}", label=label)
+            usage = [p.get("kv_cache_usage") or 0.0 for p in points]
+            bottom.plot([p["t"] for p in points], usage, color=f"C{i % 10}", label=label)
+            peak = max([peak, *usage])
+        top.set_ylim(0, 1.02)
+        bottom.set_ylim(0, min(1.0, max(0.05, 1.2 * peak)))
+        for ax in (top, bottom):
+            ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+            ax.grid(alpha=0.3)
+        top.set_title(f"{workload}: prefix-cache hit rate")
+        bottom.set_title(f"{workload}: KV blocks in use")
+        bottom.set_xlabel("time since run start (s)")
+        top.legend(fontsize="x-small", loc="lower right")
+    axes[0][0].set_ylabel("hit rate (cumulative)")
+    axes[1][0].set_ylabel("share of KV blocks")
     return fig
 
 
