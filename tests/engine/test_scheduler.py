@@ -141,3 +141,22 @@ def test_stop_on_eos_respects_min_tokens_and_ignore_eos():
         so = sched.schedule()
         outs = sched.update_from_output(so, ModelRunnerOutput(["r"], [[token]], [None]))
         assert outs[0].finish_reason == expect
+
+
+def test_kv_occupancy_counts_shared_blocks_once_and_empty_tail_slots():
+    """Two requests share a 3-block prefix (12 tokens, block size 4); each holds its own tail. The
+    empty slots are exactly the unfilled ends of their last blocks, and the peak keeps its waste."""
+    sched, runner = make_scheduler(budget=64), FakeRunner()
+    prefix = list(range(1, 13))
+    sched.add_request(make_request("a", prefix + [50], max_tokens=4))
+    step(sched, runner)  # a: 13 tokens computed -> 4 blocks, 3 slots empty
+    assert sched.kv_occupancy() == (4, 3)
+    sched.add_request(make_request("b", prefix + [60, 61], max_tokens=4))
+    step(sched, runner)  # a: 14 tokens (2 empty); b: hit on 3 blocks + 2 own tokens in a new block (2 empty)
+    used, empty = sched.kv_occupancy()
+    assert (used, empty) == (5, 4)
+    assert sched.stats.kv_peak_blocks == 5 and sched.stats.kv_waste_at_peak == 4 / (5 * 4)
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    assert sched.kv_occupancy() == (0, 0)
+    assert sched.stats.kv_peak_blocks >= 5  # the peak outlives the requests
