@@ -78,7 +78,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], output_
 async def run_online(base_url: str, model: str, workload: Workload, *, concurrency: int | None = None,
                      request_rate: float | None = None, seed: int = 0, api_key: str | None = None,
                      name: str | None = None, progress: Callable[[int], None] | None = None,
-                     stream: bool = True, cache_salt: str | None = None, poll_s: float = 0.25) -> dict:
+                     stream: bool = True, cache_salt: str | None = None, poll_s: float = 1.0) -> dict:
     """Run ``workload`` against ``base_url``. With ``request_rate``, requests arrive as a Poisson
     process (exponential gaps, seeded) whatever the server's pace; with ``concurrency``, at most that
     many are in flight. A later turn of a conversation goes out when the turn before it has
