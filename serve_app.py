@@ -21,7 +21,7 @@ import uuid
 from typing import Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.exceptions import RayTaskError
 from ray.serve.config import RequestRouterConfig
@@ -73,6 +73,7 @@ class AppArgs(BaseModel):
     router_imbalance: int = 8  # queue-length gap beyond which the router prefers the least loaded replica
     api_key: str | None = None
     max_waiting_requests: int = 512
+    stream_interval: int = Field(1, ge=1)  # streamed tokens per chunk (fewer, larger SSE chunks when > 1)
     engine_cpus: float = 1.0  # logical CPUs of the engine bundle (tp = 1) or of each rank
     torch_threads: int | None = None  # intra-op threads of the engine at tp = 1 (default: engine_cpus)
     proxy_cpus: float = 0.5  # logical CPUs of each Ingress and LLMServer replica
@@ -241,10 +242,10 @@ class Ingress:
     """HTTP (OpenAI API), gRPC and Python-handle entry point of the application."""
 
     def __init__(self, llm_server: DeploymentHandle, model_dir: str, served_model_name: str,
-                 max_model_len: int, api_key: str | None) -> None:
+                 max_model_len: int, api_key: str | None, stream_interval: int = 1) -> None:
         self.tokenizer = Tokenizer(model_dir)
         self.client = ServeEngineClient(llm_server)
-        self.serving = OpenAIServing(self.client, self.tokenizer, served_model_name, max_model_len)
+        self.serving = OpenAIServing(self.client, self.tokenizer, served_model_name, max_model_len, stream_interval)
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.app_name = serve.get_replica_context().app_name
@@ -370,7 +371,8 @@ def build_app(args: AppArgs | dict | None = None):
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name="Ingress", ray_actor_options={"num_cpus": args.proxy_cpus}, max_ongoing_requests=10_000,
     )
-    return ingress.bind(llm_server, args.model, served_name, config.max_model_len, args.api_key)
+    return ingress.bind(llm_server, args.model, served_name, config.max_model_len, args.api_key,
+                        args.stream_interval)
 
 
 app = build_app

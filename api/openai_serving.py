@@ -31,8 +31,8 @@ from api.openai_responses import (ChatChoice, ChatCompletionResponse, ChatComple
                                   CompletionResponse, CompletionStreamResponse, DeltaMessage,
                                   DetokenizeResponse, ModelCard, ModelList,
                                   TokenizeResponse, UsageCounter)
-from engine.messages import CompletionOutput
-from engine.sampling_params import SamplingParams
+from engine.messages import CompletionOutput, RequestOutput, merge_outputs
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import Tokenizer
 
 __all__ = ["AsyncLLMClient", "EngineClient", "EventStream", "OpenAIError", "OpenAIServing"]
@@ -75,8 +75,11 @@ class OpenAIServing:
     Every method raises ``OpenAIError`` (status, OpenAI error body) for whatever goes wrong."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, served_model_name: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
+        self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -205,11 +208,19 @@ class OpenAIServing:
 
     # --- output ----------------------------------------------------------------------------------
 
-    @staticmethod
-    async def _samples(streams: EngineStreams, n: int, usage: UsageCounter
+    async def _samples(self, streams: EngineStreams, n: int, usage: UsageCounter
                        ) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """Each engine delta's samples; with ``stream_interval`` > 1 a prompt's deltas are held and
+        merged until one of its samples has that many new tokens or the request finishes."""
+        held: dict[int, RequestOutput] = {}
         async for prompt_index, output in streams:
             usage.add(prompt_index, output)
+            if self.stream_interval > 1:
+                if prompt_index in held:
+                    output = merge_outputs(held.pop(prompt_index), output, RequestOutputKind.DELTA)
+                if not output.finished and max(len(s.token_ids) for s in output.outputs) < self.stream_interval:
+                    held[prompt_index] = output
+                    continue
             for sample in output.outputs:
                 yield prompt_index * n + sample.index, sample
 

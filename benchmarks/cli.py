@@ -44,6 +44,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="online: requests in flight, one run each")
     parser.add_argument("--request-rate", type=float, nargs="*", default=[4.0],
                         help="online: Poisson arrival rates (requests/s), one run each")
+    parser.add_argument("--stream-interval", type=int, default=1, help="online: the started app's tokens per "
+                        "streamed chunk")
     parser.add_argument("--url", help="online: measure this running server instead of starting the Serve app")
     parser.add_argument("--served-model-name", default="bench", help="online: the model name the server serves")
     parser.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"), help="online: the server's key")
@@ -61,7 +63,7 @@ def run_bench(args: argparse.Namespace) -> int:
     workloads = list(WORKLOADS) if "all" in args.workload else args.workload
     report = bench(args.model, workloads=workloads, systems=args.systems, scale=args.scale,
                    output_len=args.output_len, threads=args.threads, hf_batch_size=args.hf_batch_size,
-                   block_size=args.block_size,
+                   block_size=args.block_size, stream_interval=args.stream_interval,
                    concurrency=args.concurrency, request_rates=args.request_rate, url=args.url,
                    served_model_name=args.served_model_name, api_key=args.api_key, overhead_seqs=args.overhead_seqs,
                    progress=not args.no_progress, command="kvserve bench " + shlex.join(sys.argv[2:]))
@@ -118,10 +120,12 @@ def _offline_runs(model: str, workload, systems: list[str], hf_batch_size: int, 
     return runs
 
 
-def _start_serve_app(model: str, threads: int, max_num_seqs: int, block_size: int) -> tuple[str, float]:
+def _start_serve_app(model: str, threads: int, max_num_seqs: int, block_size: int,
+                     stream_interval: int) -> tuple[str, float]:
     from benchmarks.serve_bench import start_app
 
-    return start_app(model, max_num_seqs, threads, enable_prefix_caching=True, block_size=block_size)
+    return start_app(model, max_num_seqs, threads, enable_prefix_caching=True, block_size=block_size,
+                     stream_interval=stream_interval)
 
 
 def _online_runs(url: str, served_name: str, api_key: str | None, workload, concurrency: list[int],
@@ -152,9 +156,10 @@ def _model_params(model: str) -> int:
 
 
 def bench(model: str, *, workloads: list[str], systems: list[str], scale: float = 1.0, output_len: int | None = None,
-          threads: int = 2, hf_batch_size: int = 8, block_size: int = 8, concurrency: list[int] = (8, 64),
-          request_rates: list[float] = (), url: str | None = None, served_model_name: str = "bench",
-          api_key: str | None = None, overhead_seqs: int = 64, progress: bool = True, command: str = "kvserve bench") -> dict:
+          threads: int = 2, hf_batch_size: int = 8, block_size: int = 8, stream_interval: int = 1,
+          concurrency: list[int] = (8, 64), request_rates: list[float] = (), url: str | None = None,
+          served_model_name: str = "bench", api_key: str | None = None, overhead_seqs: int = 64,
+          progress: bool = True, command: str = "kvserve bench") -> dict:
     torch.set_num_threads(threads)
     bars = _Progress(progress)
     built = {name: build_workload(name, model, scale, output_len) for name in workloads}
@@ -175,7 +180,7 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
     if "serve-http" in systems and (concurrency or request_rates):
         deploy_s = None
         if url is None:
-            url, deploy_s = _start_serve_app(model, threads, 256, block_size)
+            url, deploy_s = _start_serve_app(model, threads, 256, block_size, stream_interval)
             served_model_name = "bench"
         try:
             for name, workload in built.items():
@@ -186,7 +191,8 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
                 from ray import serve
 
                 serve.shutdown()
-        report["serve"] = {"url": url, "deploy_s": deploy_s}
+        report["serve"] = {"url": url, "deploy_s": deploy_s,
+                           "stream_interval": stream_interval if deploy_s is not None else None}
     for name, section in report["workloads"].items():
         section["targets"] = evaluate_targets(name, section, report.get("overhead"))
     report["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -30,7 +30,7 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def start_app(model: str, max_num_seqs: int, threads: int, enable_prefix_caching: bool = False,
-              block_size: int = 16) -> tuple[str, float]:
+              block_size: int = 16, stream_interval: int = 1) -> tuple[str, float]:
     """A local Ray cluster and the Serve app on 127.0.0.1:8000; returns its URL and deploy time."""
     import ray
     from ray import serve
@@ -42,7 +42,8 @@ def start_app(model: str, max_num_seqs: int, threads: int, enable_prefix_caching
     start = time.perf_counter()
     serve.run(build_app({"model": model, "served_model_name": "bench", "max_num_seqs": max_num_seqs,
                          "engine_cpus": threads, "torch_threads": threads,
-                         "enable_prefix_caching": enable_prefix_caching, "block_size": block_size}),
+                         "enable_prefix_caching": enable_prefix_caching, "block_size": block_size,
+                         "stream_interval": stream_interval}),
               name="bench", route_prefix="/")
     return "http://127.0.0.1:8000", time.perf_counter() - start
 

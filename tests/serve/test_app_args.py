@@ -10,10 +10,12 @@ from serve_app import AppArgs, build_app, replica_bundles
 
 def test_cli_strings_are_converted_and_checked(model_dirs):
     args = AppArgs.model_validate({"model": model_dirs["llama"], "tensor_parallel_size": "2",
-                                   "enable_prefix_caching": "false", "max_num_seqs": "8"})
+                                   "enable_prefix_caching": "false", "max_num_seqs": "8", "stream_interval": "4"})
     assert args.tensor_parallel_size == 2 and args.enable_prefix_caching is False and args.max_num_seqs == 8
+    assert args.stream_interval == 4
     for bad in ({"tensor_parallel_size": "two"}, {"bogus_option": 1}, {"dtype": "int4"}, {"router": "random"},
-                {"num_replicas": 2, "min_replicas": 1}, {"min_replicas": 3, "max_replicas": 2}):
+                {"num_replicas": 2, "min_replicas": 1}, {"min_replicas": 3, "max_replicas": 2},
+                {"stream_interval": 0}):
         with pytest.raises(ValidationError):
             AppArgs.model_validate(bad)
 

@@ -56,6 +56,43 @@ def test_return_token_ids_whole_and_streamed(client, offline, run):
     assert plain.choices[0].model_extra.get("token_ids") is None
 
 
+def test_stream_interval_sends_fewer_larger_chunks_with_the_same_tokens(llm, model_dir, offline, run):
+    """An app built with stream_interval=4: every chunk but the last carries at least 4 tokens of
+    each choice, and the concatenation is the offline engine's text and tokens."""
+    import httpx
+    import openai
+
+    from api.http_app import build_openai_app
+    from api.openai_serving import AsyncLLMClient, OpenAIServing
+    from tests.serve.openai_harness import API_KEY
+
+    with pytest.raises(ValueError, match="stream_interval"):
+        OpenAIServing(AsyncLLMClient(llm), Tokenizer(model_dir), MODEL, 64, stream_interval=0)
+    serving = OpenAIServing(AsyncLLMClient(llm), Tokenizer(model_dir), MODEL, llm.core.config.max_model_len,
+                            stream_interval=4)
+    app = build_openai_app(lambda: serving, api_key=API_KEY)
+    expected = reference(offline, "The sky at sunset is", temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as transport:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key=API_KEY, http_client=transport,
+                                        max_retries=0)
+            streams = [await client.completions.create(
+                model=MODEL, prompt="The sky at sunset is", max_tokens=10, stream=True, n=n,
+                temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True}) for n in (1, 2)]
+            return [[chunk async for chunk in stream] for stream in streams]
+
+    single, double = run(main())
+    ids = [c.choices[0].model_extra["token_ids"] for c in single]
+    assert [len(i) for i in ids] == [4, 4, 2]  # 10 tokens in chunks of 4, the rest with the finish
+    assert [t for i in ids for t in i] == expected.token_ids
+    assert "".join(c.choices[0].text for c in single) == expected.text
+    for index in (0, 1):  # n = 2: a prompt's samples flush together, when either has 4 new tokens
+        mine = [c.choices[0] for c in double if c.choices[0].index == index]
+        assert [t for c in mine for t in c.model_extra["token_ids"]] == expected.token_ids
+        assert "".join(c.text for c in mine) == expected.text and len(mine) <= 4
+
+
 def test_multiple_prompts_and_n_order_choices_by_prompt_then_sample(client, offline, prompts, run):
     batch = [prompts[1], prompts[2]]
     expected = [reference(offline, p, temperature=0.0, max_tokens=6, ignore_eos=True).text for p in batch]
