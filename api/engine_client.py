@@ -121,7 +121,7 @@ class EngineStreams:
             await self._queue.put(_END)
         finally:
             if not ended:  # cancelled by close(): the client is gone or the request failed elsewhere
-                await _aclose(stream)
+                await aclose_quietly(stream)
                 try:
                     await self._engine.abort(request_id)
                 except Exception:
@@ -155,7 +155,8 @@ class EngineStreams:
             task.cancel()
 
 
-async def _aclose(stream: AsyncIterator[RequestOutput]) -> None:
+async def aclose_quietly(stream: AsyncIterator[RequestOutput]) -> None:
+    """Close an engine stream if it can be closed; a failure to close is logged, not raised."""
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         try:

@@ -43,7 +43,7 @@ import grpc
 
 from api import kvserve_pb2 as pb
 from api import kvserve_pb2_grpc
-from api.engine_client import EngineClient
+from api.engine_client import EngineClient, aclose_quietly
 from engine.core import EngineDeadError, EngineOverloadedError
 from engine.messages import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -109,15 +109,6 @@ def _completion_to_proto(c: CompletionOutput, num_top_logprobs: int) -> pb.Compl
     return message
 
 
-async def _close(stream: Any) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except Exception:
-            logger.exception("closing an engine stream failed")
-
-
 async def _engine_outputs(client: EngineClient, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
     """The request's outputs until it finishes. If the consumer leaves first (closes this generator,
@@ -139,7 +130,7 @@ async def _engine_outputs(client: EngineClient, request_id: str, prompt_token_id
             ended = output.finished
             yield output
     finally:
-        await _close(stream)
+        await aclose_quietly(stream)
         if not ended:
             try:  # shielded: a second cancellation must not stop the abort
                 await asyncio.shield(client.abort(request_id))

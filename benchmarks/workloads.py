@@ -177,16 +177,7 @@ def build_workload(name: str, model_dir: str, scale: float = 1.0, output_len: in
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
 
 
-# --- the fixed-shape workloads of the TP and Serve benchmarks ---------------------------------------
-
-def shared_prefix(model_dir: str, num_requests: int = 48, prefix_len: int = 512, suffix_len: int = 30,
-                  output_len: int = 32) -> Workload:
-    """BOS + one ``prefix_len``-token prefix + a distinct suffix of ``suffix_len`` ± 4 tokens."""
-    corpus = _Corpus(model_dir)
-    prefix = corpus.bos + corpus.take(prefix_len - len(corpus.bos))
-    requests = [BenchRequest(prefix + corpus.take(suffix_len + (i % 9) - 4), output_len) for i in range(num_requests)]
-    return Workload("shared-prefix", requests)
-
+# --- the fixed-shape workload of the TP and Serve benchmarks ---------------------------------------
 
 def distinct(model_dir: str, num_requests: int, prompt_len: int, output_len: int) -> Workload:
     """``num_requests`` prompts of ``prompt_len`` tokens with nothing in common."""

@@ -99,9 +99,14 @@ class BlockPool:
         return self.num_blocks - 1
 
     @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by some request (cached-but-free blocks count as free)."""
+        return self.num_usable_blocks - self.num_free_blocks
+
+    @property
     def usage(self) -> float:
-        """Share of usable blocks referenced by some request (cached-but-free blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+        """Share of usable blocks referenced by some request."""
+        return self.num_used_blocks / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
         block = self.cached.get(block_hash)

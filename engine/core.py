@@ -190,7 +190,7 @@ class EngineCore:
             "prefix_cache_hits": s.prefix_cache_hits,
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
             "num_preemptions": s.num_preemptions,
-            "num_blocks_in_use": pool.num_usable_blocks - pool.num_free_blocks,
+            "num_blocks_in_use": pool.num_used_blocks,
             "num_kv_blocks": pool.num_blocks,
             "num_cached_blocks": len(pool.cached),
             "kv_cache_usage": pool.usage,

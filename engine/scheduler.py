@@ -125,15 +125,13 @@ class Scheduler:
         """(blocks held by requests, slots in them that hold no token). Shared blocks are full ones
         (prefix hits and forks share only full blocks), so the empty slots are the tails of each
         running request's last block: no walk over the tables is needed."""
-        pool = self.kv.block_pool
         block_size = self.kv.block_size
         empty = sum(len(self.kv.req_to_blocks.get(r.request_id, ())) * block_size - r.num_computed_tokens
                     for r in self.running)
-        return pool.num_usable_blocks - pool.num_free_blocks, empty
+        return self.kv.block_pool.num_used_blocks, empty
 
     def _track_kv_peak(self) -> None:
-        pool = self.kv.block_pool
-        used = pool.num_usable_blocks - pool.num_free_blocks
+        used = self.kv.block_pool.num_used_blocks
         if used > self.stats.kv_peak_blocks:
             self.stats.kv_peak_blocks = used
             self.stats.kv_waste_at_peak = self.kv_occupancy()[1] / (used * self.kv.block_size)
