@@ -14,11 +14,12 @@ export TOKENIZERS_PARALLELISM ?= false
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml kernels/cpu/paged_attention.cpp
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m kernels.cpu
 	touch $(STAMP)
 
 test: install

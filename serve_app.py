@@ -63,6 +63,8 @@ class AppArgs(BaseModel):
     max_model_len: int | None = None
     seed: int = 0
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    attention_backend: Literal["auto", "torch", "cpu"] = "auto"
+    cascade_attention: bool = True
     num_replicas: int | None = None
     min_replicas: int | None = None
     max_replicas: int | None = None
@@ -335,7 +337,8 @@ def build_app(args: AppArgs | dict | None = None):
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, seed=args.seed, device=args.device,
-        placement_strategy=args.placement_strategy,
+        placement_strategy=args.placement_strategy, attention_backend=args.attention_backend,
+        cascade_attention=args.cascade_attention,
     )
     use_gpu = _use_gpu(args.device)
     served_name = args.served_model_name or args.model.rstrip("/").split("/")[-1]

@@ -9,6 +9,7 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 TP_DISPATCH = ("remote", "compiled")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
 
 def _read_json(path: Path) -> dict:
@@ -136,10 +137,16 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     device: str = "auto"  # "auto" (CUDA when available), "cpu" or "cuda"
     seed: int = 0
+    # "auto": the compiled CPU kernels on a CPU device when they build here, else plain torch
+    attention_backend: str = "auto"
+    # attend once per step to leading blocks that running requests share (backends that support it)
+    cascade_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
     @property
     def max_model_len(self) -> int:

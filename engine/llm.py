@@ -36,6 +36,8 @@ def engine_config(
     device: str = "auto",
     placement_strategy: str = "STRICT_PACK",
     tp_dispatch: str = "remote",
+    attention_backend: str = "auto",
+    cascade_attention: bool = True,
 ) -> EngineConfig:
     """An ``EngineConfig`` from the flat keyword arguments users know from vLLM."""
     return EngineConfig(
@@ -46,6 +48,8 @@ def engine_config(
         parallel=ParallelConfig(tensor_parallel_size, placement_strategy, tp_dispatch),
         device=device,
         seed=seed,
+        attention_backend=attention_backend,
+        cascade_attention=cascade_attention,
     )
 
 

@@ -1,26 +1,26 @@
-"""Torch ops of kvserve: paged attention, the KV store, rotary embedding and norms.
+"""Torch ops of kvserve: paged attention (plain torch, and compiled CPU kernels), the KV store,
+rotary embedding and norms.
 
-Every op here is plain torch, so the same code runs on CPU and CUDA; ``kernels.reference`` holds
-the naive versions the tests compare against. This package imports nothing else of the project.
+``kernels.attention`` holds the step metadata and the one dispatch point; ``kernels.backends``
+chooses a backend; ``kernels.reference`` holds the naive versions the tests compare against. This
+package imports nothing else of the project.
 """
 
-from kernels.attention import (
-    PagedAttentionMetadata,
-    paged_attention,
-    paged_decode_attention,
-    paged_prefill_attention,
-    store_kv,
-)
+from kernels.attention import AttentionBackend, CascadeGroups, PagedAttentionMetadata, paged_attention
+from kernels.backends import BACKENDS, select_backend
 from kernels.norms import fused_add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_emb
+from kernels.torch_attention import store_kv
 
 __all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "CascadeGroups",
     "PagedAttentionMetadata",
     "apply_rotary_emb",
     "fused_add_rms_norm",
     "paged_attention",
-    "paged_decode_attention",
-    "paged_prefill_attention",
     "rms_norm",
+    "select_backend",
     "store_kv",
 ]

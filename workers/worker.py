@@ -116,6 +116,7 @@ class Worker:
             "kv_heads_per_rank": spec.num_kv_heads,
             "kv_heads_replicated": spec.kv_heads_replicated,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.runner.attention_backend.name,
             "device": str(self.device),
         }
 

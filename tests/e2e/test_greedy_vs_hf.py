@@ -22,12 +22,27 @@ def generate_and_check(llm, oracle, prompts, params=GREEDY):
     return outs
 
 
+BACKENDS = {  # attention backends, and the compiled one without shared-prefix groups
+    "torch": {"attention_backend": "torch"},
+    "cpu": {"attention_backend": "cpu"},
+    "cpu-nocascade": {"attention_backend": "cpu", "cascade_attention": False},
+}
+
+
+def cascade_steps(llm) -> int:
+    return llm.core.executor.worker.runner.batch.num_cascade_steps
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
-def test_greedy_matches_hf(arch, caching, model_dirs, hf_oracle):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_greedy_matches_hf(arch, caching, backend, model_dirs, hf_oracle):
     prompts = make_prompts(model_dirs[arch])
-    with LLM(model=model_dirs[arch], enable_prefix_caching=caching) as llm:
+    with LLM(model=model_dirs[arch], enable_prefix_caching=caching, **BACKENDS[backend]) as llm:
+        assert llm.stats()["attention_backend"] == BACKENDS[backend]["attention_backend"]
         first = generate_and_check(llm, hf_oracle(arch), prompts)
+        # the shared 300-token prefix is attended once per step for every request that holds it
+        assert (cascade_steps(llm) > 0) == (backend == "cpu" and caching)
         stats = llm.stats()
         assert stats["num_blocks_in_use"] == 0
         if caching:
@@ -49,12 +64,13 @@ def test_block_sizes(block_size, model_dirs, hf_oracle):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_preemption_and_chunked_prefill(arch, model_dirs, hf_oracle):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_preemption_and_chunked_prefill(arch, backend, model_dirs, hf_oracle):
     """A pool that holds ~1.3 long sequences and a 64-token budget: prompts are chunked, the newest
     request is preempted and recomputed, and the tokens do not change."""
     prompts = make_prompts(model_dirs[arch])
     with LLM(model=model_dirs[arch], block_size=16, num_kv_blocks=48, max_model_len=520,
-             max_num_batched_tokens=64, max_num_seqs=8) as llm:
+             max_num_batched_tokens=64, max_num_seqs=8, **BACKENDS[backend]) as llm:
         generate_and_check(llm, hf_oracle(arch), prompts)
         stats = llm.stats()
         assert stats["num_preemptions"] > 0

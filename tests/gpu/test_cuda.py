@@ -27,8 +27,8 @@ def test_paged_attention_on_cuda(dtype, tol):
     specs = CASES["mixed"]
     q, k, v, kp, vp, meta, fk, fv = _build_step(specs, 8, 2, 64, 16, dtype)
     to = lambda t: t.cuda()  # noqa: E731
-    meta.slot_mapping, meta.decode_block_tables = to(meta.slot_mapping), to(meta.decode_block_tables)
-    meta.decode_seq_lens, meta.prefill_block_tables = to(meta.decode_seq_lens), to(meta.prefill_block_tables)
+    meta.slot_mapping, meta.block_tables = to(meta.slot_mapping), to(meta.block_tables)
+    meta.seq_lens, meta.query_start_loc = to(meta.seq_lens), to(meta.query_start_loc)
     out = paged_attention(to(q), to(k), to(v), to(kp), to(vp), meta, 1 / math.sqrt(64)).cpu()
     start = 0
     for (_, ql), kk, vv in zip(specs, fk, fv):

@@ -1,4 +1,4 @@
-"""Paged attention and the KV store against naive contiguous attention."""
+"""Paged attention and the KV store, every backend, against naive contiguous attention."""
 
 from __future__ import annotations
 
@@ -7,11 +7,17 @@ import math
 import pytest
 import torch
 
-from kernels import PagedAttentionMetadata, paged_attention, store_kv
+from kernels import PagedAttentionMetadata, paged_attention, select_backend, store_kv
 from kernels.reference import naive_causal_attention
 
+BACKENDS = ["torch", "cpu"]
 
-def _build_step(seq_specs, num_heads, kv_heads, head_dim, block_size, dtype, seed=0):
+
+def backend(name: str):
+    return select_backend(name, torch.device("cpu"))[0]
+
+
+def _build_step(seq_specs, num_heads, kv_heads, head_dim, block_size, dtype, seed=0, backend_name="torch"):
     """seq_specs: (prefix_len, query_len) per request, decodes (query_len 1) first.
 
     Returns the inputs of one step plus each request's full contiguous K/V, with the prefix K/V
@@ -23,35 +29,23 @@ def _build_step(seq_specs, num_heads, kv_heads, head_dim, block_size, dtype, see
     k_pool = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_pool = torch.zeros_like(k_pool)
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # never block 0
-    tables, full_k, full_v, slots = [], [], [], []
+    tables, full_k, full_v = [], [], []
     qs, ks, vs = [], [], []
     for prefix_len, query_len in seq_specs:
         seq_len = prefix_len + query_len
         blocks = [free.pop() for _ in range(-(-seq_len // block_size))]
-        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        tables.append(blocks)
         k = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
         slot = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(seq_len)])
         store_kv(k[:prefix_len], v[:prefix_len], k_pool, v_pool, slot[:prefix_len])
         full_k.append(k)
         full_v.append(v)
-        slots.append(slot[prefix_len:])
         qs.append(torch.randn(query_len, num_heads, head_dim, generator=gen).to(dtype))
         ks.append(k[prefix_len:])
         vs.append(v[prefix_len:])
-    nd = next((i for i, (_, q) in enumerate(seq_specs) if q != 1), len(seq_specs))
-    table = torch.tensor(tables, dtype=torch.long)
-    seq_lens = [p + q for p, q in seq_specs]
-    meta = PagedAttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        num_decodes=nd,
-        decode_block_tables=table[:nd],
-        decode_seq_lens=torch.tensor(seq_lens[:nd], dtype=torch.long),
-        decode_max_seq_len=max(seq_lens[:nd], default=0),
-        prefill_query_lens=[q for _, q in seq_specs[nd:]],
-        prefill_seq_lens=seq_lens[nd:],
-        prefill_block_tables=table[nd:],
-    )
+    meta = PagedAttentionMetadata.build([q for _, q in seq_specs], [p + q for p, q in seq_specs], tables,
+                                        block_size, backend=backend(backend_name))
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_pool, v_pool, meta, full_k, full_v
 
 
@@ -63,13 +57,14 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("num_heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_paged_attention_matches_naive(case, num_heads, kv_heads, block_size):
+def test_paged_attention_matches_naive(backend_name, case, num_heads, kv_heads, block_size):
     head_dim = 16
     q, k, v, k_pool, v_pool, meta, full_k, full_v = _build_step(
-        CASES[case], num_heads, kv_heads, head_dim, block_size, torch.float32
+        CASES[case], num_heads, kv_heads, head_dim, block_size, torch.float32, backend_name=backend_name
     )
     scale = 1 / math.sqrt(head_dim)
     out = paged_attention(q, k, v, k_pool, v_pool, meta, scale)
@@ -80,9 +75,11 @@ def test_paged_attention_matches_naive(case, num_heads, kv_heads, block_size):
         start += query_len
 
 
-def test_bf16_close_to_float32():
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_types_close_to_float32(backend_name, dtype):
     specs = CASES["mixed"]
-    q, k, v, kp, vp, meta, fk, fv = _build_step(specs, 8, 2, 32, 16, torch.bfloat16)
+    q, k, v, kp, vp, meta, fk, fv = _build_step(specs, 8, 2, 32, 16, dtype, backend_name=backend_name)
     out = paged_attention(q, k, v, kp, vp, meta, 1 / math.sqrt(32))
     start = 0
     for (p, ql), kk, vv in zip(specs, fk, fv):
@@ -102,7 +99,8 @@ def test_store_kv_writes_only_its_slots():
     assert int((k_pool != 0).any(-1).any(-1).sum()) == 3  # three slots written, nothing else
 
 
-def test_same_step_prefix_share_reads_fresh_kv():
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_same_step_prefix_share_reads_fresh_kv(backend_name):
     """Two requests with one 16-token prefix in one step: the second reads the blocks the first
     writes in the same call (the store precedes the reads)."""
     gen = torch.Generator().manual_seed(1)
@@ -113,14 +111,7 @@ def test_same_step_prefix_share_reads_fresh_kv():
     tail_k, tail_v = torch.randn(4, heads, d, generator=gen), torch.randn(4, heads, d, generator=gen)
     q = torch.randn(16 + 4, heads, d, generator=gen)
     # request A computes the prefix into block 1; request B shares block 1 and computes 4 tokens in block 2
-    slots = torch.cat([torch.arange(16, 32), torch.arange(32, 36)])
-    meta = PagedAttentionMetadata(
-        slot_mapping=slots, num_decodes=0,
-        decode_block_tables=torch.zeros(0, 2, dtype=torch.long),
-        decode_seq_lens=torch.zeros(0, dtype=torch.long), decode_max_seq_len=0,
-        prefill_query_lens=[16, 4], prefill_seq_lens=[16, 20],
-        prefill_block_tables=torch.tensor([[1, 0], [1, 2]]),
-    )
+    meta = PagedAttentionMetadata.build([16, 4], [16, 20], [[1], [1, 2]], bs, backend=backend(backend_name))
     out = paged_attention(q, torch.cat([prefix_k, tail_k]), torch.cat([prefix_v, tail_v]), k_pool, v_pool, meta, d**-0.5)
     ref_b = naive_causal_attention(q[16:], torch.cat([prefix_k, tail_k]), torch.cat([prefix_v, tail_v]), d**-0.5)
     torch.testing.assert_close(out[16:], ref_b, atol=1e-5, rtol=1e-5)

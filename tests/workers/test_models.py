@@ -93,28 +93,15 @@ class Paging:
 
     def step(self, chunks: list[tuple[str, int, int]]) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
         """Inputs of one step computing tokens [start, start + n) of each (seq, start, n), decodes first."""
-        ids, positions, slots = [], [], []
+        ids, positions = [], []
         for seq, start, n in chunks:
             table = self.tables.setdefault(seq, [])
             while len(table) * BLOCK_SIZE < start + n:
                 table.append(self.free.pop())
             ids += SEQS[seq][start : start + n]
             positions += range(start, start + n)
-            slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + n)]
-        num_decodes = next((i for i, (_, _, n) in enumerate(chunks) if n > 1), len(chunks))
-        width = max(len(self.tables[seq]) for seq, _, _ in chunks)
-        tables = torch.tensor([self.tables[seq] + [0] * (width - len(self.tables[seq])) for seq, _, _ in chunks])
-        seq_lens = [start + n for _, start, n in chunks]
-        meta = PagedAttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            num_decodes=num_decodes,
-            decode_block_tables=tables[:num_decodes],
-            decode_seq_lens=torch.tensor(seq_lens[:num_decodes]),
-            decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
-            prefill_query_lens=[n for _, _, n in chunks[num_decodes:]],
-            prefill_seq_lens=seq_lens[num_decodes:],
-            prefill_block_tables=tables[num_decodes:],
-        )
+        meta = PagedAttentionMetadata.build([n for *_, n in chunks], [start + n for _, start, n in chunks],
+                                            [self.tables[seq] for seq, _, _ in chunks], BLOCK_SIZE)
         return torch.tensor(ids), torch.tensor(positions), meta
 
 

@@ -1,0 +1,34 @@
+"""The compiled CPU attention backend: the KV store and paged attention read and write the pool
+in place (no gathered copies), one call per layer for the whole mixed batch, shared-prefix groups
+attended once per group."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import PagedAttentionMetadata
+
+_EMPTY = torch.zeros(0, dtype=torch.int32)
+_EMPTY_TABLE = torch.zeros(0, 0, dtype=torch.int32)
+
+
+class CpuAttentionBackend:
+    name = "cpu"
+    supports_cascade = True
+
+    def __init__(self, ops) -> None:
+        self.ops = ops  # torch.ops.kvserve_cpu
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
+                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+        self.ops.store_kv(key, value, k_pool, v_pool, meta.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype)
+        groups = meta.cascade
+        if groups is None:
+            self.ops.paged_attention(out, query, k_pool, v_pool, meta.block_tables, meta.query_start_loc,
+                                     meta.seq_lens, _EMPTY, _EMPTY_TABLE, _EMPTY, _EMPTY, _EMPTY, scale)
+        else:
+            self.ops.paged_attention(out, query, k_pool, v_pool, meta.block_tables, meta.query_start_loc,
+                                     meta.seq_lens, groups.kv_starts, groups.block_tables, groups.lens,
+                                     groups.member_start, groups.members, scale)
+        return out

@@ -1,0 +1,614 @@
+// Paged attention on CPU, reading K/V in place from the block-addressed pool.
+//
+// Pools (one pair per layer): [num_blocks, block_size, kv_heads, head_dim]. Sequence s owns the query
+// tokens [query_start_loc[s], query_start_loc[s + 1]) of the step; its keys are the positions
+// [0, seq_lens[s]) addressed through block_tables[s]; its i-th query token sits at position
+// seq_lens[s] - q_len + i and sees the keys up to and including that position (causal).
+//
+// Shared-prefix (cascade) attention: group g names member sequences that share their first
+// group_lens[g] key positions (the same physical blocks, group_block_tables[g]). The group pass
+// attends every member's query rows to the shared keys at once (each key tile is loaded once for
+// all members), writing the normalised output and its log-sum-exp. The suffix pass then starts each
+// member's online softmax from that state (m = lse, l = 1, acc = out) and continues over the keys
+// from kv_starts[s] = group_lens[g]: the result equals attention over the whole context.
+//
+// Work is split into items (sequence or group) x KV head x tile of query tokens; all query heads of
+// one KV head form the rows of a tile, so K/V are never repeated for grouped-query attention. Items
+// are handed out dynamically to torch's intra-op threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace kvserve {
+namespace {
+
+constexpr int kKeyTile = 32;  // keys per online-softmax update
+constexpr int kMaxRows = 64;  // query rows (tokens x heads of one KV head) per work item
+constexpr int W = 16;         // lanes of a vector
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// 16-lane vectors (GCC/Clang vector extensions: AVX-512 registers here, pairs of AVX2 ones elsewhere).
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+inline vf vload(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline vf vsplat(float x) { return vf{} + x; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline float hsum(vf v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 lo, hi;
+  __builtin_memcpy(&lo, &v, 32);
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+  v8 s8 = lo + hi;
+  v4 a, b;
+  __builtin_memcpy(&a, &s8, 16);
+  __builtin_memcpy(&b, reinterpret_cast<const char*>(&s8) + 16, 16);
+  v4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp(x) for x <= 0 (scores minus their running maximum): 2^t with t = x log2(e) split into an
+// integer n (round to nearest by the 1.5 * 2^23 trick) and f in [-0.5, 0.5]; e^(f ln 2) by its
+// degree-7 Taylor polynomial (relative error < 1e-8), 2^n through the exponent bits. Anything below
+// -87 (exp(-inf) included) gives exactly 0.
+inline vf vexp(vf x) {
+  const vf lo = vsplat(-87.0f);
+  const vf xc = x < lo ? lo : x;
+  const vf t = xc * 1.4426950408889634f;
+  const vf n = (t + 12582912.0f) - 12582912.0f;
+  const vf f = (t - n) * 0.6931471805599453f;
+  vf p = vsplat(1.0f / 5040.0f);
+  p = p * f + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return x < lo ? vsplat(0.0f) : p * scale;
+}
+inline float sexp(float x) { return vexp(vsplat(x))[0]; }
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename scalar_t>
+struct Problem {
+  const scalar_t* query;
+  int64_t q_tok_stride, q_head_stride;
+  const scalar_t* k_pool;
+  const scalar_t* v_pool;
+  int64_t block_stride, slot_stride;  // pool strides: per block, per slot (kv_heads * head_dim)
+  int block_size, num_kv_heads, group_size, head_dim, num_heads;
+  scalar_t* out;
+  int64_t out_tok_stride;
+  float* lse;  // [tokens, heads], written by the group pass, read by the suffix pass
+  float scale;
+};
+
+// Per-thread scratch, grown once and reused across calls.
+struct Scratch {
+  std::vector<float> q;    // [rows][head_dim], scaled queries
+  std::vector<float> qt;   // [head_dim][padded rows], transposed queries
+  std::vector<float> s;    // scores, then probabilities
+  std::vector<float> acc;  // [rows][head_dim]
+  std::vector<float> kv;   // [2][kKeyTile][head_dim]: a key/value tile converted to float (half types)
+  std::vector<float> m, l, alpha;
+  std::vector<int32_t> limit;  // per row: keys at positions < limit are visible
+
+  void reserve(int rows_padded, int head_dim) {
+    const size_t rd = static_cast<size_t>(rows_padded) * head_dim;
+    if (q.size() < rd) {
+      q.resize(rd);
+      qt.resize(rd);
+      acc.resize(rd);
+    }
+    const size_t sr = static_cast<size_t>(kKeyTile) * rows_padded;
+    if (s.size() < sr) s.resize(sr);
+    if (kv.size() < static_cast<size_t>(2 * kKeyTile * head_dim)) kv.resize(2 * kKeyTile * head_dim);
+    if (m.size() < static_cast<size_t>(rows_padded)) {
+      m.resize(rows_padded);
+      l.resize(rows_padded);
+      alpha.resize(rows_padded);
+      limit.resize(rows_padded);
+    }
+  }
+};
+
+// acc[r] = alpha[r] * acc[r] + sum_j p(r, j) v_j for rows [0, rows), with p(r, j) = prob[r * sr + j * sj].
+// RB rows at a time keep their accumulators in registers while the value rows stream past.
+template <int DV, int RB>
+void accumulate_values(float* acc, int rows, int dv, const float* alpha, const float* prob, int sr, int sj,
+                       const float* const* v, int n) {
+  const int nv = DV > 0 ? DV : dv;
+  const int d = nv * W;
+  int r = 0;
+  for (; r + RB <= rows; r += RB) {
+    vf a[RB][DV > 0 ? DV : 64];
+    for (int b = 0; b < RB; ++b)
+      for (int c = 0; c < nv; ++c) a[b][c] = vload(acc + (r + b) * d + c * W) * alpha[r + b];
+    for (int j = 0; j < n; ++j) {
+      const float* vj = v[j];
+      for (int c = 0; c < nv; ++c) {
+        const vf x = vload(vj + c * W);
+        for (int b = 0; b < RB; ++b) a[b][c] += prob[(r + b) * sr + j * sj] * x;
+      }
+    }
+    for (int b = 0; b < RB; ++b)
+      for (int c = 0; c < nv; ++c) vstore(acc + (r + b) * d + c * W, a[b][c]);
+  }
+  for (; r < rows; ++r) {
+    vf a[DV > 0 ? DV : 64];
+    for (int c = 0; c < nv; ++c) a[c] = vload(acc + r * d + c * W) * alpha[r];
+    for (int j = 0; j < n; ++j) {
+      const float pj = prob[r * sr + j * sj];
+      for (int c = 0; c < nv; ++c) a[c] += pj * vload(v[j] + c * W);
+    }
+    for (int c = 0; c < nv; ++c) vstore(acc + r * d + c * W, a[c]);
+  }
+}
+
+// One work item: `num_tokens` query tokens (flat indices `tokens`, key limits `limits`) and the
+// query heads of KV head `kv_head` against keys [kv_begin, max limit) of block table `table`.
+// merge: start from out/lse of an earlier pass. write_lse: record the log-sum-exp.
+// DV: head_dim / 16 when fixed at compile time, else 0 (head_dim a multiple of 16 either way).
+template <typename scalar_t, int DV>
+void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, const int32_t* limits, int num_tokens,
+            const int32_t* table, int kv_begin, bool merge, bool write_lse, Scratch& sc) {
+  constexpr int RB = DV == 0 ? 1 : DV <= 4 ? 4 : DV <= 8 ? 2 : 1;
+  const int nv = DV > 0 ? DV : p.head_dim / W;
+  const int d = nv * W;
+  const int g = p.group_size;
+  const int rows = num_tokens * g;
+  const int rows_padded = (rows + W - 1) / W * W;
+  sc.reserve(rows_padded, d);
+  float* __restrict__ q = sc.q.data();
+  float* __restrict__ qt = sc.qt.data();
+  float* __restrict__ s = sc.s.data();
+  float* __restrict__ acc = sc.acc.data();
+  float* __restrict__ m = sc.m.data();
+  float* __restrict__ l = sc.l.data();
+  float* __restrict__ alpha = sc.alpha.data();
+  int32_t* __restrict__ limit = sc.limit.data();
+
+  int kv_end = 0, min_limit = std::numeric_limits<int>::max();
+  for (int i = 0; i < num_tokens; ++i) {
+    kv_end = std::max(kv_end, limits[i]);
+    min_limit = std::min(min_limit, limits[i]);
+  }
+  const bool by_rows = rows >= W / 2;  // scores vectorised over rows; else over head_dim
+
+  for (int r = 0; r < rows; ++r) {
+    const int tok = tokens[r / g];
+    const int head = kv_head * g + r % g;
+    const scalar_t* src = p.query + tok * p.q_tok_stride + head * p.q_head_stride;
+    float* dst = q + r * d;
+    for (int k = 0; k < d; ++k) dst[k] = to_float(src[k]) * p.scale;
+    limit[r] = limits[r / g];
+    float* a = acc + r * d;
+    if (merge) {
+      const scalar_t* o = p.out + tok * p.out_tok_stride + head * d;
+      for (int k = 0; k < d; ++k) a[k] = to_float(o[k]);
+      m[r] = p.lse[static_cast<int64_t>(tok) * p.num_heads + head];
+      l[r] = 1.0f;
+    } else {
+      for (int k = 0; k < d; ++k) a[k] = 0.0f;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+    }
+  }
+  for (int r = rows; r < rows_padded; ++r) {
+    limit[r] = 0;
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+  if (by_rows) {
+    for (int k = 0; k < d; ++k) {
+      float* col = qt + k * rows_padded;
+      for (int r = 0; r < rows; ++r) col[r] = q[r * d + k];
+      for (int r = rows; r < rows_padded; ++r) col[r] = 0.0f;
+    }
+  }
+
+  const float* kf[kKeyTile];
+  const float* vf_[kKeyTile];
+  const int64_t head_offset = static_cast<int64_t>(kv_head) * d;
+  for (int start = kv_begin; start < kv_end; start += kKeyTile) {
+    const int n = std::min(kKeyTile, kv_end - start);
+    for (int j = 0; j < n; ++j) {
+      const int pos = start + j;
+      const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_stride +
+                           static_cast<int64_t>(pos % p.block_size) * p.slot_stride + head_offset;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        kf[j] = p.k_pool + slot;
+        vf_[j] = p.v_pool + slot;
+      } else {
+        float* kd = sc.kv.data() + j * d;
+        float* vd = sc.kv.data() + (kKeyTile + j) * d;
+        for (int k = 0; k < d; ++k) {
+          kd[k] = to_float(p.k_pool[slot + k]);
+          vd[k] = to_float(p.v_pool[slot + k]);
+        }
+        kf[j] = kd;
+        vf_[j] = vd;
+      }
+    }
+    const bool masked = start + n > min_limit;
+    if (by_rows) {
+      // s[j * rows_padded + r] = q_r . k_j, 16 rows per vector, 4 keys per pass
+      for (int c = 0; c < rows_padded; c += W) {
+        int j = 0;
+        for (; j + 4 <= n; j += 4) {
+          vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+          const float *k0 = kf[j], *k1 = kf[j + 1], *k2 = kf[j + 2], *k3 = kf[j + 3];
+          for (int k = 0; k < d; ++k) {
+            const vf x = vload(qt + k * rows_padded + c);
+            a0 += x * k0[k];
+            a1 += x * k1[k];
+            a2 += x * k2[k];
+            a3 += x * k3[k];
+          }
+          vstore(s + (j + 0) * rows_padded + c, a0);
+          vstore(s + (j + 1) * rows_padded + c, a1);
+          vstore(s + (j + 2) * rows_padded + c, a2);
+          vstore(s + (j + 3) * rows_padded + c, a3);
+        }
+        for (; j < n; ++j) {
+          vf a0 = {};
+          const float* k0 = kf[j];
+          for (int k = 0; k < d; ++k) a0 += vload(qt + k * rows_padded + c) * k0[k];
+          vstore(s + j * rows_padded + c, a0);
+        }
+      }
+      if (masked) {
+        for (int j = 0; j < n; ++j)
+          for (int r = 0; r < rows; ++r)
+            if (start + j >= limit[r]) s[j * rows_padded + r] = kNegInf;
+      }
+      for (int c = 0; c < rows_padded; c += W) {
+        const vf m_old = vload(m + c);
+        vf mx = m_old;
+        for (int j = 0; j < n; ++j) mx = vmax(mx, vload(s + j * rows_padded + c));
+        const vf safe = mx == vsplat(kNegInf) ? vsplat(0.0f) : mx;
+        vf sum = {};
+        for (int j = 0; j < n; ++j) {
+          const vf e = vexp(vload(s + j * rows_padded + c) - safe);
+          vstore(s + j * rows_padded + c, e);
+          sum += e;
+        }
+        const vf al = vexp(m_old - safe);
+        vstore(alpha + c, al);
+        vstore(l + c, vload(l + c) * al + sum);
+        vstore(m + c, mx);
+      }
+      accumulate_values<DV, RB>(acc, rows, nv, alpha, s, 1, rows_padded, vf_, n);
+    } else {
+      // s[r * kKeyTile + j] = q_r . k_j, vectorised over head_dim
+      for (int j = 0; j < n; ++j) {
+        const float* kj = kf[j];
+        for (int r = 0; r < rows; ++r) {
+          const float* qr = q + r * d;
+          vf t = vload(qr) * vload(kj);
+          for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * vload(kj + c * W);
+          s[r * kKeyTile + j] = hsum(t);
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        float* sr = s + r * kKeyTile;
+        for (int j = n; j < kKeyTile; ++j) sr[j] = kNegInf;
+        if (masked)
+          for (int j = 0; j < n; ++j)
+            if (start + j >= limit[r]) sr[j] = kNegInf;
+        vf mv = vsplat(m[r]);
+        for (int c = 0; c < kKeyTile; c += W) mv = vmax(mv, vload(sr + c));
+        const float mx = hmax(mv);
+        const float safe = mx == kNegInf ? 0.0f : mx;
+        vf sum = {};
+        for (int c = 0; c < kKeyTile; c += W) {
+          const vf e = vexp(vload(sr + c) - safe);
+          vstore(sr + c, e);
+          sum += e;
+        }
+        alpha[r] = sexp(m[r] - safe);
+        l[r] = l[r] * alpha[r] + hsum(sum);
+        m[r] = mx;
+      }
+      accumulate_values<DV, RB>(acc, rows, nv, alpha, s, kKeyTile, 1, vf_, n);
+    }
+  }
+
+  for (int r = 0; r < rows; ++r) {
+    const int tok = tokens[r / g];
+    const int head = kv_head * g + r % g;
+    scalar_t* o = p.out + tok * p.out_tok_stride + head * d;
+    const float* ar = acc + r * d;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int k = 0; k < d; ++k) o[k] = static_cast<scalar_t>(ar[k] * inv);
+    if (write_lse) p.lse[static_cast<int64_t>(tok) * p.num_heads + head] = m[r] + std::log(l[r]);
+  }
+}
+
+// Any head_dim: plain loops, one row and one key at a time (head sizes that are not a multiple of 16).
+template <typename scalar_t>
+void attend_scalar(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, const int32_t* limits,
+                   int num_tokens, const int32_t* table, int kv_begin, bool merge, bool write_lse) {
+  const int d = p.head_dim, g = p.group_size;
+  std::vector<float> q(d), acc(d);
+  for (int i = 0; i < num_tokens; ++i) {
+    const int tok = tokens[i];
+    for (int h = kv_head * g; h < (kv_head + 1) * g; ++h) {
+      const scalar_t* src = p.query + tok * p.q_tok_stride + h * p.q_head_stride;
+      scalar_t* o = p.out + tok * p.out_tok_stride + h * d;
+      for (int k = 0; k < d; ++k) q[k] = to_float(src[k]) * p.scale;
+      float m = kNegInf, l = 0.0f;
+      if (merge) {
+        for (int k = 0; k < d; ++k) acc[k] = to_float(o[k]);
+        m = p.lse[static_cast<int64_t>(tok) * p.num_heads + h];
+        l = 1.0f;
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+      }
+      for (int pos = kv_begin; pos < limits[i]; ++pos) {
+        const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_stride +
+                             static_cast<int64_t>(pos % p.block_size) * p.slot_stride +
+                             static_cast<int64_t>(kv_head) * d;
+        float score = 0.0f;
+        for (int k = 0; k < d; ++k) score += q[k] * to_float(p.k_pool[slot + k]);
+        const float mx = std::max(m, score);
+        const float alpha = std::exp(m - mx), e = std::exp(score - mx);
+        l = l * alpha + e;
+        for (int k = 0; k < d; ++k) acc[k] = acc[k] * alpha + e * to_float(p.v_pool[slot + k]);
+        m = mx;
+      }
+      for (int k = 0; k < d; ++k) o[k] = static_cast<scalar_t>(acc[k] / l);
+      if (write_lse) p.lse[static_cast<int64_t>(tok) * p.num_heads + h] = m + std::log(l);
+    }
+  }
+}
+
+struct Item {
+  int32_t token_begin;  // into the pass's token list
+  int32_t num_tokens;
+  int32_t kv_head;
+  int32_t table;        // which block-table row
+  int32_t kv_begin;
+  bool merge;
+  int64_t cost;         // for ordering: bigger items go first
+};
+
+template <typename scalar_t, int DV>
+void run_pass(const Problem<scalar_t>& p, std::vector<Item>& items, const std::vector<int32_t>& tokens,
+              const std::vector<int32_t>& limits, const int32_t* tables, int64_t table_stride, bool write_lse) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (n == 0) return;
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  const bool vector_path = p.head_dim % W == 0;
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    thread_local Scratch scratch;
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      const int32_t* toks = tokens.data() + it.token_begin;
+      const int32_t* lims = limits.data() + it.token_begin;
+      const int32_t* table = tables + it.table * table_stride;
+      if (vector_path)
+        attend<scalar_t, DV>(p, it.kv_head, toks, lims, it.num_tokens, table, it.kv_begin, it.merge, write_lse,
+                             scratch);
+      else
+        attend_scalar<scalar_t>(p, it.kv_head, toks, lims, it.num_tokens, table, it.kv_begin, it.merge, write_lse);
+    }
+  });
+}
+
+template <typename scalar_t, int DV>
+void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_tables,
+                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                          const at::Tensor& kv_starts, const at::Tensor& group_block_tables,
+                          const at::Tensor& group_lens, const at::Tensor& group_member_start,
+                          const at::Tensor& group_members) {
+  const int num_seqs = static_cast<int>(seq_lens.size(0));
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = kv_starts.numel() ? kv_starts.data_ptr<int32_t>() : nullptr;
+  const int g = p.group_size;
+  const int tokens_per_item = std::max(1, kMaxRows / g);
+
+  // group pass: every member's query tokens against the shared keys, all visible
+  const int num_groups = static_cast<int>(group_lens.numel());
+  if (num_groups) {
+    const int32_t* glens = group_lens.data_ptr<int32_t>();
+    const int32_t* gstart = group_member_start.data_ptr<int32_t>();
+    const int32_t* members = group_members.data_ptr<int32_t>();
+    std::vector<int32_t> tokens, limits;
+    std::vector<Item> items;
+    for (int gi = 0; gi < num_groups; ++gi) {
+      const int begin = static_cast<int>(tokens.size());
+      for (int mi = gstart[gi]; mi < gstart[gi + 1]; ++mi) {
+        const int s = members[mi];
+        for (int t = qsl[s]; t < qsl[s + 1]; ++t) {
+          tokens.push_back(t);
+          limits.push_back(glens[gi]);
+        }
+      }
+      const int end = static_cast<int>(tokens.size());
+      for (int h = 0; h < p.num_kv_heads; ++h)
+        for (int t = begin; t < end; t += tokens_per_item) {
+          const int nt = std::min(tokens_per_item, end - t);
+          items.push_back({t, nt, h, gi, 0, false, static_cast<int64_t>(nt) * glens[gi]});
+        }
+    }
+    run_pass<scalar_t, DV>(p, items, tokens, limits, group_block_tables.data_ptr<int32_t>(),
+                          group_block_tables.stride(0), true);
+  }
+
+  // per-sequence pass (the suffix after a shared prefix, or the whole context), causal
+  std::vector<int32_t> tokens, limits;
+  std::vector<Item> items;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_begin = qsl[s], q_len = qsl[s + 1] - qsl[s];
+    const int first_pos = lens[s] - q_len;
+    const int kv_begin = starts ? starts[s] : 0;
+    const int begin = static_cast<int>(tokens.size());
+    for (int i = 0; i < q_len; ++i) {
+      tokens.push_back(q_begin + i);
+      limits.push_back(first_pos + i + 1);
+    }
+    for (int h = 0; h < p.num_kv_heads; ++h)
+      for (int i = 0; i < q_len; i += tokens_per_item) {
+        const int nt = std::min(tokens_per_item, q_len - i);
+        items.push_back({begin + i, nt, h, s, kv_begin, kv_begin > 0,
+                         static_cast<int64_t>(nt) * (first_pos + i + nt - kv_begin)});
+      }
+  }
+  run_pass<scalar_t, DV>(p, items, tokens, limits, block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                        false);
+}
+
+void check_int32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.numel() == 0 || (t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu()),
+              name, " must be a contiguous int32 CPU tensor");
+}
+
+// Store the step's K/V (key/value [tokens, kv_heads, head_dim]) into the pool slots of slot_mapping.
+template <typename scalar_t>
+void store_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool, at::Tensor& v_pool,
+                   const at::Tensor& slot_mapping) {
+  const int64_t tokens = key.size(0), kv_heads = key.size(1), d = key.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const scalar_t* k = key.data_ptr<scalar_t>();
+  const scalar_t* v = value.data_ptr<scalar_t>();
+  scalar_t* kp = k_pool.data_ptr<scalar_t>();
+  scalar_t* vp = v_pool.data_ptr<scalar_t>();
+  const int64_t slot_stride = kv_heads * d;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::memcpy(kp + slots[t] * slot_stride + h * d, k + t * key.stride(0) + h * key.stride(1), d * sizeof(scalar_t));
+      std::memcpy(vp + slots[t] * slot_stride + h * d, v + t * value.stride(0) + h * value.stride(1),
+                  d * sizeof(scalar_t));
+    }
+  }
+}
+
+void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool, at::Tensor& v_pool,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value need a contiguous last axis");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "the KV pools must be contiguous");
+  TORCH_CHECK(k_pool.size(2) == key.size(1) && k_pool.size(3) == key.size(2), "key does not match the pool");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0),
+              "slot_mapping must be int64 with one slot per token");
+  TORCH_CHECK(key.scalar_type() == k_pool.scalar_type() && value.scalar_type() == v_pool.scalar_type(),
+              "K/V and the pools must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "kvserve_store_kv", [&] {
+    store_kv_impl<scalar_t>(key, value, k_pool, v_pool, slot_mapping);
+  });
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                     const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& kv_starts, const at::Tensor& group_block_tables,
+                     const at::Tensor& group_lens, const at::Tensor& group_member_start,
+                     const at::Tensor& group_members, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim], last axis contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), "out must be a contiguous tensor shaped as query");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes(),
+              "the KV pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(query.scalar_type() == k_pool.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, out and the pools must share a dtype");
+  TORCH_CHECK(query.size(2) == k_pool.size(3), "query and pool head_dim differ");
+  TORCH_CHECK(query.size(1) % k_pool.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.size(2) <= 1024, "head_dim above 1024 is not supported");
+  check_int32(block_tables, "block_tables");
+  check_int32(query_start_loc, "query_start_loc");
+  check_int32(seq_lens, "seq_lens");
+  check_int32(kv_starts, "kv_starts");
+  check_int32(group_block_tables, "group_block_tables");
+  check_int32(group_lens, "group_lens");
+  check_int32(group_member_start, "group_member_start");
+  check_int32(group_members, "group_members");
+  TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1, "query_start_loc needs num_seqs + 1 entries");
+
+  const int64_t tokens = query.size(0), heads = query.size(1);
+  at::Tensor lse;
+  if (group_lens.numel()) lse = at::empty({tokens, heads}, query.options().dtype(at::kFloat));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "kvserve_paged_attention", [&] {
+    Problem<scalar_t> p;
+    p.query = query.data_ptr<scalar_t>();
+    p.q_tok_stride = query.stride(0);
+    p.q_head_stride = query.stride(1);
+    p.k_pool = k_pool.data_ptr<scalar_t>();
+    p.v_pool = v_pool.data_ptr<scalar_t>();
+    p.block_size = static_cast<int>(k_pool.size(1));
+    p.num_kv_heads = static_cast<int>(k_pool.size(2));
+    p.head_dim = static_cast<int>(k_pool.size(3));
+    p.block_stride = k_pool.stride(0);
+    p.slot_stride = k_pool.stride(1);
+    p.num_heads = static_cast<int>(heads);
+    p.group_size = static_cast<int>(heads / p.num_kv_heads);
+    p.out = out.data_ptr<scalar_t>();
+    p.out_tok_stride = out.stride(0);
+    p.lse = lse.defined() ? lse.data_ptr<float>() : nullptr;
+    p.scale = static_cast<float>(scale);
+    auto run = [&](auto dim) {
+      paged_attention_impl<scalar_t, decltype(dim)::value>(p, block_tables, query_start_loc, seq_lens, kv_starts,
+                                                           group_block_tables, group_lens, group_member_start,
+                                                           group_members);
+    };
+    switch (p.head_dim) {
+      case 32: run(std::integral_constant<int, 2>{}); break;
+      case 64: run(std::integral_constant<int, 4>{}); break;
+      case 80: run(std::integral_constant<int, 5>{}); break;
+      case 96: run(std::integral_constant<int, 6>{}); break;
+      case 128: run(std::integral_constant<int, 8>{}); break;
+      case 256: run(std::integral_constant<int, 16>{}); break;
+      default: run(std::integral_constant<int, 0>{}); break;
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_cpu, m) {
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, Tensor group_block_tables, Tensor group_lens, "
+      "Tensor group_member_start, Tensor group_members, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("store_kv", &store_kv);
+  m.impl("paged_attention", &paged_attention);
+}
+
+}  // namespace kvserve

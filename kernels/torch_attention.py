@@ -1,0 +1,119 @@
+"""The plain-torch attention backend: runs on any device and is the fallback where the compiled
+kernels are not available. Decode gathers each sequence's blocks into contiguous K/V and runs one
+batched SDPA with grouped-query heads folded into the query axis; a prefill chunk without a prefix
+attends to its own K/V, one after a cached prefix reads its context from the pool with a shifted
+causal mask. Shared-prefix groups are ignored (the result is the same)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import PagedAttentionMetadata
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ([num_tokens, kv_heads, head_dim]) into their slots, in place."""
+    num_blocks, block_size, kv_heads, head_dim = k_pool.shape
+    k_pool.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_pool.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _gather(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``block_ids`` ([..., n]) of ``pool`` as contiguous [..., n * block_size, kv_heads, d]."""
+    _, block_size, kv_heads, head_dim = pool.shape
+    out = pool.index_select(0, block_ids.reshape(-1))
+    return out.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per request ([batch, heads, d]) against its paged context -> [batch, heads, d]."""
+    batch, num_heads, head_dim = query.shape
+    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    num_blocks = -(-max_seq_len // block_size)
+    tables = block_tables[:, :num_blocks]
+    keys = _gather(k_pool, tables).transpose(1, 2)  # [batch, kv_heads, ctx, d]
+    values = _gather(v_pool, tables).transpose(1, 2)
+    positions = torch.arange(keys.shape[2], device=query.device)
+    visible = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+    grouped = query.view(batch, kv_heads, num_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for prefill chunks ([tokens, heads, d], concatenated), each after an
+    optional cached prefix (read from the pool, where the chunk's own K/V were stored already)."""
+    out = torch.empty_like(query)
+    block_size = k_pool.shape[1]
+    start = 0
+    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        end = start + query_len
+        q = query[start:end].transpose(0, 1)  # [heads, q, d]
+        prefix_len = seq_len - query_len
+        if prefix_len == 0:
+            k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            blocks = block_tables[i, : -(-seq_len // block_size)]
+            k = _gather(k_pool, blocks)[:seq_len].transpose(0, 1)
+            v = _gather(v_pool, blocks)[:seq_len].transpose(0, 1)
+            rows = torch.arange(prefix_len, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= rows[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+        start = end
+    return out
+
+
+class TorchAttentionBackend:
+    name = "torch"
+    supports_cascade = False
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
+                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+        store_kv(key, value, k_pool, v_pool, meta.slot_mapping)
+        nd, num_seqs = meta.num_decodes, meta.num_seqs
+        decode_out = None
+        if nd:
+            decode_out = paged_decode_attention(
+                query[:nd], k_pool, v_pool, meta.block_tables[:nd], meta.seq_lens[:nd],
+                max(meta.context_lens[:nd]), scale,
+            )
+            if nd == num_seqs:
+                return decode_out
+        out = torch.empty_like(query)
+        if decode_out is not None:
+            out[:nd] = decode_out
+        out[nd:] = paged_prefill_attention(
+            query[nd:], key[nd:], value[nd:], k_pool, v_pool, meta.query_lens[nd:], meta.context_lens[nd:],
+            meta.block_tables[nd:], scale,
+        )
+        return out
+
+
+TORCH_BACKEND = TorchAttentionBackend()

@@ -1,0 +1,164 @@
+"""A rank's view of the running requests and the flat batch of each step.
+
+Every request the scheduler has sent holds one row of a persistent int32 block table, written when
+its blocks arrive (diffs only) and released when it leaves, so a step copies its rows out of the
+table instead of building a table from Python lists. A step's batch is flat and ordered decodes
+first, then prefill chunks; slots come from the rows: position p of a request lives in slot
+``table[row, p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.messages import SchedulerOutput
+from engine.sampling_params import SamplingParams
+from kernels import AttentionBackend, CascadeGroups, PagedAttentionMetadata
+from workers.cascade import plan_cascade
+
+
+@dataclass
+class RequestState:
+    """What this rank knows of a running request (kept in step with the scheduler by diffs)."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    row: int  # its row of the block table
+    num_blocks: int
+    num_computed_tokens: int
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_meta: PagedAttentionMetadata
+    req_ids: list[str]
+    logits_indices: torch.Tensor  # flat index of the last token of each request that samples
+    sample_rows: list[int]  # which requests (in req_ids order) sample
+
+
+class BlockTable:
+    """Rows of block ids, one per request; grows (doubling) when more requests are held at once."""
+
+    def __init__(self, max_blocks_per_request: int, rows: int = 64) -> None:
+        self.table = np.zeros((rows, max_blocks_per_request), dtype=np.int32)
+        self.free_rows = list(range(rows - 1, -1, -1))
+
+    def add(self, block_ids: list[int]) -> int:
+        if not self.free_rows:
+            rows = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        row = self.free_rows.pop()
+        self.table[row, :len(block_ids)] = block_ids
+        return row
+
+    def append(self, row: int, start: int, block_ids: list[int]) -> None:
+        self.table[row, start:start + len(block_ids)] = block_ids
+
+    def release(self, row: int) -> None:
+        self.free_rows.append(row)
+
+
+class InputBatch:
+    def __init__(self, block_size: int, max_model_len: int, device: torch.device, backend: AttentionBackend,
+                 cascade: bool) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+        self.cascade = cascade and backend.supports_cascade
+        self.requests: dict[str, RequestState] = {}
+        self.blocks = BlockTable(-(-max_model_len // block_size))
+        self.num_cascade_steps = 0  # steps that attended shared-prefix groups
+
+    def update(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's diffs: drop finished/preempted requests, add new ones, extend the rest."""
+        for req_id in so.finished_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.blocks.release(state.row)
+        for new in so.scheduled_new_reqs:
+            old = self.requests.pop(new.req_id, None)
+            if old is not None:
+                self.blocks.release(old.row)
+            self.requests[new.req_id] = RequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                self.blocks.add(new.block_ids), len(new.block_ids), new.num_computed_tokens,
+            )
+        for diff in so.scheduled_cached_reqs:
+            state = self.requests[diff.req_id]
+            state.token_ids.extend(diff.new_token_ids)
+            if diff.new_block_ids:
+                self.blocks.append(state.row, state.num_blocks, diff.new_block_ids)
+                state.num_blocks += len(diff.new_block_ids)
+            state.num_computed_tokens = diff.num_computed_tokens
+
+    def prepare(self, so: SchedulerOutput) -> StepBatch:
+        num_scheduled = so.num_scheduled_tokens
+        states = [self.requests[req_id] for req_id in num_scheduled]
+        ordered = [s for s in states if num_scheduled[s.req_id] == 1]
+        num_decodes = len(ordered)
+        ordered += [s for s in states if num_scheduled[s.req_id] > 1]
+        num_seqs = len(ordered)
+        query_lens = [num_scheduled[s.req_id] for s in ordered]
+        starts = [s.num_computed_tokens for s in ordered]
+        input_ids: list[int] = []
+        logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        for i, (state, start, n) in enumerate(zip(ordered, starts, query_lens)):
+            if n == 1:
+                input_ids.append(state.token_ids[start])
+            else:
+                input_ids.extend(state.token_ids[start:start + n])
+            if start + n == len(state.token_ids):  # reached its last known token: sample the next
+                logits_indices.append(len(input_ids) - 1)
+                sample_rows.append(i)
+
+        bs = self.block_size
+        q_lens = np.array(query_lens, dtype=np.int64)
+        first = np.array(starts, dtype=np.int64)
+        seq_lens = first + q_lens
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start[:-1] - first, q_lens)
+        width = -(-int(seq_lens.max()) // bs)
+        rows = np.array([s.row for s in ordered], dtype=np.int64)
+        table = self.blocks.table[rows, :width]
+        token_seq = np.repeat(np.arange(num_seqs), q_lens)
+        slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+
+        to_device = (lambda a: torch.from_numpy(a)) if self.device.type == "cpu" else \
+            (lambda a: torch.from_numpy(a).to(self.device, non_blocking=True))
+        cascade = None
+        if self.cascade:
+            plan = plan_cascade(table, first, bs)
+            if plan is not None:
+                self.num_cascade_steps += 1
+                cascade = CascadeGroups(to_device(plan.kv_starts), to_device(plan.block_tables),
+                                        to_device(plan.lens), to_device(plan.member_start), to_device(plan.members))
+        meta = PagedAttentionMetadata(
+            slot_mapping=to_device(slots),
+            query_start_loc=to_device(query_start.astype(np.int32)),
+            seq_lens=to_device(seq_lens.astype(np.int32)),
+            block_tables=to_device(table),
+            query_lens=query_lens,
+            context_lens=seq_lens.tolist(),
+            num_decodes=num_decodes,
+            cascade=cascade,
+            backend=self.backend,
+        )
+        return StepBatch(
+            input_ids=to_device(np.array(input_ids, dtype=np.int64)),
+            positions=to_device(positions),
+            attn_meta=meta,
+            req_ids=[s.req_id for s in ordered],
+            logits_indices=to_device(np.array(logits_indices, dtype=np.int64)),
+            sample_rows=sample_rows,
+        )
