@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import math
 
@@ -35,6 +35,14 @@ class RequestRecord:
     @property
     def e2e(self) -> float | None:
         return None if self.end is None else self.end - self.arrival
+
+    def to_dict(self) -> dict:
+        """Plain JSON data (the form a benchmark process sends back)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RequestRecord:
+        return cls(**{k: data[k] for k in data if k in cls.__dataclass_fields__})
 
     def inter_token_latencies(self) -> list[float]:
         """One sample per token after the first chunk: the gap before its chunk spread over the
