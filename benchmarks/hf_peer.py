@@ -7,11 +7,14 @@
 
 Both decode greedily in float32 with EOS disabled, so each request gets exactly its ``output_len``
 tokens, and run a multi-turn workload round by round: round k is submitted once round k-1 has
-finished, which is also when its requests count as arrived.
+finished, which is also when its requests count as arrived. Each is a class that loads once and runs
+any number of workloads, with no warm-up request before the first (`kvserve bench` measures that
+first one as such).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -67,40 +70,49 @@ class _StepClock:
         pass
 
 
-def run_hf_static(model_dir: str, workload: Workload, batch_size: int = 8, progress: Progress = None) -> dict:
-    """``batch_size`` prompts at a time, left-padded, in workload order within each round. A batch
-    decodes for its longest output; each request counts only its own ``output_len`` tokens, the rest
-    is the waste of static batching."""
-    model = _load(model_dir)
-    pad = _pad_id(model)
+class HFStatic:
+    """The checkpoint loaded once; ``run`` takes a workload in static batches (no warm-up of its own)."""
 
-    def generate(prompts: list[list[int]], new_tokens: int, streamer=None) -> list[list[int]]:
+    def __init__(self, model_dir: str, batch_size: int = 8) -> None:
+        self.model = _load(model_dir)
+        self.pad = _pad_id(self.model)
+        self.batch_size = batch_size
+
+    def _generate(self, prompts: list[list[int]], new_tokens: int, streamer=None) -> list[list[int]]:
         width = max(map(len, prompts))
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        input_ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=pad, streamer=streamer)
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                      do_sample=False, pad_token_id=self.pad, streamer=streamer)
         return out[:, width:].tolist()
 
-    generate([workload.requests[0].prompt], 2)  # warm-up
-    records: list[RequestRecord | None] = [None] * len(workload.requests)
-    start = eligible = time.perf_counter()
-    for round_ in workload.rounds():
-        for b in range(0, len(round_), batch_size):
-            batch = round_[b:b + batch_size]
-            clock = _StepClock()
-            outputs = generate([workload.requests[i].prompt for i in batch],
-                               max(workload.requests[i].output_len for i in batch), clock)
-            for i, generated in zip(batch, outputs):
-                request = workload.requests[i]
-                tokens = generated[:request.output_len]
-                records[i] = _record(request.prompt, eligible, tokens, clock.times[:len(tokens)])
-            if progress is not None:
-                progress(len(batch))
-        eligible = time.perf_counter()
-    elapsed = time.perf_counter() - start
-    return summarize(f"hf-static-b{batch_size}", records, elapsed, batch_size=batch_size,
+    def run(self, workload: Workload, progress: Progress = None) -> tuple[list[RequestRecord], float, dict]:
+        """``batch_size`` prompts at a time, left-padded, in workload order within each round. A batch
+        decodes for its longest output; each request counts only its own ``output_len`` tokens, the
+        rest is the waste of static batching. Returns records (with token ids), seconds and extras."""
+        records: list[RequestRecord | None] = [None] * len(workload.requests)
+        start = eligible = time.perf_counter()
+        for round_ in workload.rounds():
+            for b in range(0, len(round_), self.batch_size):
+                batch = round_[b:b + self.batch_size]
+                clock = _StepClock()
+                outputs = self._generate([workload.requests[i].prompt for i in batch],
+                                         max(workload.requests[i].output_len for i in batch), clock)
+                for i, generated in zip(batch, outputs):
+                    request = workload.requests[i]
+                    tokens = generated[:request.output_len]
+                    records[i] = _record(request.prompt, eligible, tokens, clock.times[:len(tokens)])
+                if progress is not None:
+                    progress(len(batch))
+            eligible = time.perf_counter()
+        return records, time.perf_counter() - start, {"batch_size": self.batch_size}
+
+
+def run_hf_static(model_dir: str, workload: Workload, batch_size: int = 8, progress: Progress = None) -> dict:
+    """The workload on a freshly loaded model, summarised (with ``token_ids``)."""
+    records, elapsed, extra = HFStatic(model_dir, batch_size).run(workload, progress)
+    return summarize(f"hf-static-b{batch_size}", records, elapsed, **extra,
                      token_ids=[r.token_ids for r in records])
 
 
@@ -118,44 +130,45 @@ def _finished(manager, count: int):
             yield result
 
 
-def run_hf_continuous(model_dir: str, workload: Workload, progress: Progress = None, **cb_kwargs) -> dict:
-    """Every request of a round is added to HF's continuous batching manager at once, each with its own
-    ``max_new_tokens``; results are collected as they finish. ``cb_kwargs`` are ``ContinuousBatchingConfig``
-    fields (HF's defaults otherwise: 256-token pages, prefix sharing on, cache sized from free memory)."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
+class HFContinuous:
+    """HF's continuous batching manager, started once for every workload ``run`` will be given (its
+    workload hints are the largest of them); no warm-up request. ``cb_kwargs`` are
+    ``ContinuousBatchingConfig`` fields (HF's defaults otherwise: 256-token pages, prefix sharing on,
+    cache sized from free memory). Close it (or use it as a context manager) to stop the manager."""
 
-    model = _load(model_dir)
-    rounds = workload.rounds()
-    # What generate_batch would tell the manager, with the largest round as the number of requests in flight.
-    hints = WorkloadHints(max_prompt_length=max(map(len, workload.prompts)), max_generated_length=workload.output_len,
-                          num_requests=max(map(len, rounds)))
-    # -1: the manager's "no EOS", which every request falls back on.
-    generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=_pad_id(model),
-                                         max_new_tokens=workload.output_len)
-    records: list[RequestRecord | None] = [None] * len(workload.requests)
+    def __init__(self, model_dir: str, workloads: list[Workload], **cb_kwargs) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    with model.continuous_batching_context_manager(
-        generation_config=generation_config, continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs),
-        workload_hints=hints, block=True, timeout=5,
-    ) as manager:
-        attn_implementation = model.config._attn_implementation  # what the manager switched the model to
+        model = _load(model_dir)
+        # What generate_batch would tell the manager, with the largest round as the number of requests in flight.
+        hints = WorkloadHints(max_prompt_length=max(len(p) for w in workloads for p in w.prompts),
+                              max_generated_length=max(w.output_len for w in workloads),
+                              num_requests=max(len(r) for w in workloads for r in w.rounds()))
+        # -1: the manager's "no EOS", which every request falls back on.
+        generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=_pad_id(model),
+                                             max_new_tokens=hints.max_generated_length)
+        self._context = model.continuous_batching_context_manager(
+            generation_config=generation_config, continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs),
+            workload_hints=hints, block=True, timeout=5)
+        self.manager = self._context.__enter__()
+        self.attn_implementation = model.config._attn_implementation  # what the manager switched the model to
+        self._ids = itertools.count()
 
-        def add(prompt: list[int], output_len: int, request_id: str) -> None:
-            manager.add_request(prompt, request_id=request_id, max_new_tokens=output_len, record_timestamps=True)
-
-        # HF's warm-up only captures CUDA graphs / compiles, a no-op on CPU: run one short request through the
-        # loop so that its first forward's one-off costs stay out of the timed run. A 16-token prompt never
-        # fills a page, so nothing of it can be shared with the workload's prompts.
-        add(workload.requests[0].prompt[:16], 2, "warmup")
-        list(_finished(manager, 1))
+    def run(self, workload: Workload, progress: Progress = None) -> tuple[list[RequestRecord], float, dict]:
+        """Every request of a round is added to the manager at once, each with its own
+        ``max_new_tokens``; results are collected as they finish."""
+        manager = self.manager
+        records: list[RequestRecord | None] = [None] * len(workload.requests)
+        run_id = next(self._ids)
         start = eligible = time.perf_counter()
-        for round_ in rounds:
+        for round_ in workload.rounds():
             for i in round_:
-                add(workload.requests[i].prompt, workload.requests[i].output_len, str(i))
+                manager.add_request(workload.requests[i].prompt, request_id=f"{run_id}-{i}",
+                                    max_new_tokens=workload.requests[i].output_len, record_timestamps=True)
             for result in _finished(manager, len(round_)):
-                i = int(result.request_id)
+                i = int(result.request_id.split("-")[1])
                 tokens = list(result.generated_tokens)
                 # HF stamps each token with perf_counter() as its loop appends it; without stamps, use arrival here.
                 times = (result.timestamps or [time.perf_counter()] * len(tokens))[:len(tokens)]
@@ -165,7 +178,22 @@ def run_hf_continuous(model_dir: str, workload: Workload, progress: Progress = N
             eligible = time.perf_counter()
         elapsed = time.perf_counter() - start
         config = manager.continuous_batching_config
-        settings = {"page_size": config.page_size, "num_blocks": config.num_blocks,
-                    "max_batch_tokens": config.max_batch_tokens, "allow_block_sharing": config.allow_block_sharing}
-    return summarize("hf-continuous", records, elapsed, attn_implementation=attn_implementation, **settings,
-                     token_ids=[r.token_ids for r in records])
+        return records, elapsed, {"attn_implementation": self.attn_implementation, "page_size": config.page_size,
+                                  "num_blocks": config.num_blocks, "max_batch_tokens": config.max_batch_tokens,
+                                  "allow_block_sharing": config.allow_block_sharing}
+
+    def close(self) -> None:
+        self._context.__exit__(None, None, None)
+
+    def __enter__(self) -> HFContinuous:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_hf_continuous(model_dir: str, workload: Workload, progress: Progress = None, **cb_kwargs) -> dict:
+    """The workload through a freshly started manager, summarised (with ``token_ids``)."""
+    with HFContinuous(model_dir, [workload], **cb_kwargs) as peer:
+        records, elapsed, extra = peer.run(workload, progress)
+    return summarize("hf-continuous", records, elapsed, **extra, token_ids=[r.token_ids for r in records])

@@ -60,7 +60,7 @@ def _offline_worker(model: str, workload: Workload, max_num_seqs: int, threads: 
     import torch
 
     torch.set_num_threads(threads)
-    return _light(run_kvserve(model, workload, enable_prefix_caching=False, max_num_seqs=max_num_seqs))
+    return _light(run_kvserve(model, workload, enable_prefix_caching=False, warm_up=True, max_num_seqs=max_num_seqs))
 
 
 def _light(run: dict) -> dict:
