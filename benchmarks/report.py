@@ -8,6 +8,7 @@ import json
 import os
 
 from benchmarks.plots import CACHE_RUN, plot_report
+from benchmarks.targets import vllm_ratios
 
 DASH = "-"
 COLUMNS = ("run", "mode", "conc/rate", "out tok/s", "req/s", "TTFT p50/p90/p99 (ms)", "ITL p50/p99 (ms)",
@@ -74,6 +75,48 @@ def _speedups(runs: list[dict]) -> list[str]:
             for r in runs if r is not cache and r.get("output_tokens_per_s")]
 
 
+def _ratio(value) -> str:
+    return DASH if value is None else f"{value:.2f}x"
+
+
+def _instances(runs: list[dict]) -> list[str]:
+    """First against steady instance of each offline run that has both (fresh-process runs)."""
+    runs = [r for r in runs if r.get("first")]
+    if not runs:
+        return []
+    lines = ["First instance (right after the system was built, no warm-up) and steady instance (the same "
+             "shape, other tokens, next in the same process):", "",
+             "| run | start s | first tok/s | steady tok/s | steady/first | TTFT p50 first / steady (ms) "
+             "| same tokens as kvserve-cache first / steady |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        first = run["first"]
+        same = [part.get("same_tokens_as_kvserve_cache") for part in (first, run)]
+        lines.append(f"| {run['name']} | {_fixed(run.get('start_s'), 1)} "
+                     f"| {_fixed(first.get('output_tokens_per_s'), 1)} "
+                     f"| {_fixed(run.get('output_tokens_per_s'), 1)} | {_fixed(run.get('steady_over_first'), 2)} "
+                     f"| {_ms((first.get('ttft_s') or {}).get('p50'))} / {_ms((run.get('ttft_s') or {}).get('p50'))} "
+                     f"| {' / '.join(_percent(v) for v in same) if any(v is not None for v in same) else DASH} |")
+    return lines + [""]
+
+
+def _vllm(section: dict) -> list[str]:
+    rows = vllm_ratios(section)
+    if not rows:
+        return []
+    lines = ["kvserve beside vLLM (output tok/s, kvserve / vLLM):", "",
+             "| kvserve | vLLM | instance | kvserve tok/s | vLLM tok/s | kvserve/vLLM | TTFT p50 kvserve / vLLM (ms) |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for row in rows:
+        for label in ("first", "steady"):
+            cell = row.get(label)
+            if cell:
+                lines.append(f"| {row['kvserve']} | {row['vllm']} | {label} | {_fixed(cell['kvserve_tok_s'], 1)} "
+                             f"| {_fixed(cell['vllm_tok_s'], 1)} | {_ratio(cell['ratio'])} "
+                             f"| {_ms(cell['kvserve_ttft_p50_s'])} / {_ms(cell['vllm_ttft_p50_s'])} |")
+    return lines + [""]
+
+
 def _targets(targets: list[dict]) -> list[str]:
     lines = ["| target | measured | required | met |", "|---|---:|---:|:---:|"]
     for t in targets:
@@ -91,6 +134,7 @@ def _workload(name: str, section: dict) -> list[str]:
         lines += ["| " + " | ".join(COLUMNS) + " |", "|---|---|---|" + "---:|" * (len(COLUMNS) - 3)]
         lines += [_row(run, "offline") for run in offline] + [_row(run, "online") for run in online]
         lines.append("")
+    lines += _instances(offline) + _vllm(section)
     speedups = _speedups(offline)
     if speedups:
         lines += ["Output throughput speedups (offline):", *speedups, ""]
@@ -108,6 +152,19 @@ def format_markdown(report: dict) -> str:
              f"Machine: {machine.get('platform', DASH)}, {machine.get('cpus', DASH)} CPUs, "
              f"{machine.get('torch_threads', DASH)} torch threads, torch {machine.get('torch', DASH)}, "
              f"Python {machine.get('python', DASH)}", "", f"Model: {model}", ""]
+    settings = report.get("settings")
+    if settings:
+        lines += [f"Settings: {settings.get('threads', DASH)} threads (OMP_NUM_THREADS and torch), kvserve block size "
+                  f"{(report.get('kvserve') or {}).get('block_size', DASH)}, max_num_seqs "
+                  f"{settings.get('max_num_seqs', DASH)}, max_num_batched_tokens "
+                  f"{settings.get('max_num_batched_tokens', DASH)}, KV cache "
+                  f"{_fixed((settings.get('kv_cache_memory_bytes') or 0) / 2**30, 1)} GiB; "
+                  f"{settings.get('process', '')}. Tables show the steady instance unless they say otherwise.", ""]
+    vllm = report.get("vllm")
+    if vllm:
+        lines += [f"vLLM {vllm.get('version') or DASH} (`{vllm.get('python', DASH)}`): OMP_NUM_THREADS="
+                  f"{vllm.get('threads', DASH)}, block size {vllm.get('block_size', DASH)}, float32, greedy, "
+                  f"EOS ignored, the same max_num_seqs, max_num_batched_tokens, max_model_len and KV bytes.", ""]
     for name, section in (report.get("workloads") or {}).items():
         lines += _workload(name, section)
     overhead = report.get("overhead")

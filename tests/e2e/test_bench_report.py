@@ -45,6 +45,11 @@ def synthetic_report() -> dict:
     nocache = make_run("kvserve-nocache", num_requests=12, ttft=0.08, itl=0.006, gap=0.002, mode="offline",
                        prefix_cache_hit_rate=0.0, kv_cache_usage_peak=0.97, kv_waste_at_peak=0.05,
                        num_preemptions=3)
+    cache["first"] = make_run("kvserve-cache", num_requests=12, ttft=0.04, itl=0.005, gap=0.002, mode="offline")
+    cache.update(start_s=1.5, steady_over_first=cache["output_tokens_per_s"] / cache["first"]["output_tokens_per_s"])
+    nocache["first"] = make_run("kvserve-nocache", num_requests=12, ttft=0.08, itl=0.006, gap=0.002, mode="offline",
+                                same_tokens_as_kvserve_cache=0.5)
+    nocache.update(start_s=1.4, steady_over_first=1.0, same_tokens_as_kvserve_cache=1.0)
     hf = make_run("hf-static-b8", num_requests=12, ttft=0.3, itl=0.02, gap=0.0)
     online = [make_run(f"kvserve-serve-http-c{c}", num_requests=12, ttft=0.02 + 0.01 * c, itl=0.005, gap=0.04 / c,
                        mode="online", concurrency=c, request_rate=None, prefix_cache_hit_rate=0.88)
@@ -59,6 +64,9 @@ def synthetic_report() -> dict:
         "machine": {"platform": "Linux-x86_64", "cpus": 16, "torch_threads": 8, "torch": "2.5.1", "python": "3.12.3"},
         "model": "/models/llama-small",
         "model_params": 26.7e6,
+        "kvserve": {"block_size": 8},
+        "settings": {"threads": 8, "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+                     "kv_cache_memory_bytes": 2**31, "process": "one fresh process per system and workload"},
         "workloads": {
             "shared-system-prompt": {
                 "description": "12 requests: a 488-token system prompt + a short question each",
@@ -113,6 +121,12 @@ def test_markdown_tables_speedups_and_dashes():
     assert "| hit rate >= 0.75 | 0.910 | 0.750 | ✅ |" in md
     assert "| cache vs nocache >= 5x | 2.400 | 5.000 | ❌ |" in md
     assert "64 running sequences: 4.0%" in md
+    assert "Settings: 8 threads (OMP_NUM_THREADS and torch), kvserve block size 8" in md
+    cache = runs["kvserve-cache"]
+    assert (f"| kvserve-cache | 1.5 | {cache['first']['output_tokens_per_s']:.1f} | {cache['output_tokens_per_s']:.1f} "
+            f"| {cache['steady_over_first']:.2f} | 80 / 40 | - |") in md
+    assert "| kvserve-nocache | 1.4 |" in md and "| 1.00 | 160 / 160 | 50.0% / 100.0% |" in md
+    assert "kvserve beside vLLM" not in md
 
 
 def test_write_report_files(tmp_path):
