@@ -7,6 +7,7 @@ caller and never disturbs the step loop.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -58,6 +59,10 @@ class EngineCore:
         self.timings = StepTimings()
         self._eos_token_ids = frozenset(config.model.eos_token_ids)
         self.num_worker_restarts = 0
+        # what start-up made (model, tokenizer, the pool's bookkeeping) lives as long as the engine:
+        # out of the collector's sight, the collections that steps trigger stay short
+        gc.collect()
+        gc.freeze()
 
     def _check_pool_fits(self, num_blocks: int) -> None:
         block_size, max_len = self.config.cache.block_size, self.config.max_model_len

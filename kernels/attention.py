@@ -94,6 +94,7 @@ class PagedAttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
     supports_cascade: bool
+    layer_ops: object | None  # fused norm / activation / rotary ops for the layers, if the backend has them
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:

@@ -93,6 +93,7 @@ def paged_prefill_attention(
 class TorchAttentionBackend:
     name = "torch"
     supports_cascade = False
+    layer_ops = None  # the layers keep their plain torch ops
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.messages import ModelRunnerOutput, SchedulerOutput
+from workers.allocator import tune_malloc
 from workers.model_runner import ModelRunner
 from workers.parallel_state import TPGroup
 
@@ -56,6 +57,8 @@ class Worker:
         self._memory_at_start: tuple[int, int] | None = None  # CUDA (free, total) before loading
 
     def init_device(self) -> None:
+        if self.device.type == "cpu":
+            tune_malloc()
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())

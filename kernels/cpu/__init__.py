@@ -1,8 +1,11 @@
-"""Compiled CPU kernels (C++ through torch's extension mechanism, ``paged_attention.cpp``): in-place
-paged attention with shared-prefix groups, and the KV store. ``make install`` builds them
-(``python -m kernels.cpu``); ``build.load()`` loads the build, building first if none matches."""
+"""Compiled CPU kernels (C++ through torch's extension mechanism): in-place paged attention with
+shared-prefix groups and the KV store (``paged_attention.cpp``), fused RMSNorm, residual add +
+RMSNorm, SiLU-and-multiply and rotary (``elementwise.cpp``), on 16-lane vectors (``vec.h``).
+``make install`` builds them (``python -m kernels.cpu``); ``build.load()`` loads the build, building
+first if none matches the sources."""
 
 from kernels.cpu.backend import CpuAttentionBackend
 from kernels.cpu.build import build, load, load_error
+from kernels.cpu.layer_ops import CpuLayerOps
 
-__all__ = ["CpuAttentionBackend", "build", "load", "load_error"]
+__all__ = ["CpuAttentionBackend", "CpuLayerOps", "build", "load", "load_error"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import PagedAttentionMetadata
+from kernels.cpu.layer_ops import CpuLayerOps
 
 _EMPTY = torch.zeros(0, dtype=torch.int32)
 _EMPTY_TABLE = torch.zeros(0, 0, dtype=torch.int32)
@@ -18,6 +19,7 @@ class CpuAttentionBackend:
 
     def __init__(self, ops) -> None:
         self.ops = ops  # torch.ops.kvserve_cpu
+        self.layer_ops = CpuLayerOps(ops)  # fused norms, activation and rotary for the layers
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 NAME = "kvserve_cpu"
-SOURCES = (Path(__file__).parent / "paged_attention.cpp",)
+SOURCES = tuple(Path(__file__).parent / name for name in ("vec.h", "paged_attention.cpp", "elementwise.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast")
 
 _lock = threading.Lock()
@@ -76,7 +76,7 @@ def build(verbose: bool = False) -> Path:
         work = directory / "work"
         work.mkdir(exist_ok=True)
         cpp_extension.load(
-            name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS) + ["-fopenmp"],
+            name=NAME, sources=[str(s) for s in SOURCES if s.suffix == ".cpp"], extra_cflags=list(CFLAGS) + ["-fopenmp"],
             extra_ldflags=["-fopenmp"], build_directory=str(work), is_python_module=False, verbose=verbose,
         )
         built = work / f"{NAME}.so"

@@ -22,6 +22,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -36,64 +38,7 @@ namespace {
 
 constexpr int kKeyTile = 32;  // keys per online-softmax update
 constexpr int kMaxRows = 64;  // query rows (tokens x heads of one KV head) per work item
-constexpr int W = 16;         // lanes of a vector
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// 16-lane vectors (GCC/Clang vector extensions: AVX-512 registers here, pairs of AVX2 ones elsewhere).
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-
-inline vf vload(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
-inline vf vsplat(float x) { return vf{} + x; }
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-inline float hsum(vf v) {
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  v8 lo, hi;
-  __builtin_memcpy(&lo, &v, 32);
-  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
-  v8 s8 = lo + hi;
-  v4 a, b;
-  __builtin_memcpy(&a, &s8, 16);
-  __builtin_memcpy(&b, reinterpret_cast<const char*>(&s8) + 16, 16);
-  v4 s4 = a + b;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-// exp(x) for x <= 0 (scores minus their running maximum): 2^t with t = x log2(e) split into an
-// integer n (round to nearest by the 1.5 * 2^23 trick) and f in [-0.5, 0.5]; e^(f ln 2) by its
-// degree-7 Taylor polynomial (relative error < 1e-8), 2^n through the exponent bits. Anything below
-// -87 (exp(-inf) included) gives exactly 0.
-inline vf vexp(vf x) {
-  const vf lo = vsplat(-87.0f);
-  const vf xc = x < lo ? lo : x;
-  const vf t = xc * 1.4426950408889634f;
-  const vf n = (t + 12582912.0f) - 12582912.0f;
-  const vf f = (t - n) * 0.6931471805599453f;
-  vf p = vsplat(1.0f / 5040.0f);
-  p = p * f + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return x < lo ? vsplat(0.0f) : p * scale;
-}
-inline float sexp(float x) { return vexp(vsplat(x))[0]; }
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }

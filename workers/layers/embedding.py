@@ -72,7 +72,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, embedding_dim, tp, dtype, device if tied_to is None else torch.device("meta"))
         if tied_to is not None:
             self.weight = tied_to.weight
+        self.packed_weight: torch.Tensor | None = None  # see workers.layers.kernels
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather_to_first(F.linear(hidden, self.weight))
+        weight = self.weight if self.packed_weight is None else self.packed_weight
+        logits = self.tp.gather_to_first(F.linear(hidden, weight))
         return None if logits is None else logits[:, : self.vocab_size].float()

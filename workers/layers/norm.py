@@ -17,10 +17,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+        self.ops = None  # compiled layer ops (``workers.layers.kernels``): one fused pass, in place with a residual
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.ops is not None:
+            if residual is None:
+                return self.ops.rms_norm(x, self.weight, self.eps)
+            return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -94,10 +94,13 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
+        self.ops = None  # compiled layer ops (``workers.layers.kernels``): rotate q and k in place
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ops is not None:
+            return self.ops.rotary_neox_(positions, q, k, self.cos_sin_cache, self.head_dim)
         t, d = q.shape[0], self.head_dim
         q, k = apply_rotary_emb(q.view(t, -1, d), k.view(t, -1, d), positions, self.cos_sin_cache)
         return q.view(t, -1), k.view(t, -1)

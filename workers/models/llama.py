@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from kernels import PagedAttentionMetadata
 from workers.layers import (
@@ -107,8 +108,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], args.mlp_bias, tp, dtype, device)
         self.down_proj = RowParallelLinear(inter, hidden, args.mlp_bias, tp, dtype, device)
         self.act = activation(args.hidden_act)
+        self.ops = None  # compiled layer ops (``workers.layers.kernels``): SiLU and the product in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and self.act is F.silu:
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
 
 

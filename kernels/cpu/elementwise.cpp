@@ -1,0 +1,177 @@
+// Fused elementwise ops of the decoder layers on CPU, one pass over memory each and one call per
+// layer instead of a handful of torch ops (each with its own dispatch, allocation and thread
+// start): RMSNorm, residual add + RMSNorm in place, SiLU-and-multiply, and neox rotary in place.
+// Statistics and arithmetic in float32 whatever the storage type, as the torch versions do.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace kvserve {
+namespace {
+
+template <typename T>
+inline float f32(T x) {
+  return static_cast<float>(x);
+}
+
+// Rows of `hidden` elements in parallel, a grain of rows that keeps tiny batches on one thread.
+template <typename F>
+void for_rows(int64_t rows, int64_t hidden, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(hidden, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) f(r);
+  });
+}
+
+template <typename scalar_t>
+inline void norm_row(scalar_t* out, const scalar_t* x, const scalar_t* w, int64_t n, float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = f32(x[i]);
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  // weight * (x * inv) rounded to the storage type first, as the layer's torch version does
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<scalar_t>(f32(w[i]) * f32(static_cast<scalar_t>(f32(x[i]) * inv)));
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, hidden] with a contiguous last axis");
+}
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must hold one value per column");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "out, x and weight must agree");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kvserve_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t n = x.size(1), xs = x.stride(0), os = out.stride(0);
+    for_rows(x.size(0), n, [&](int64_t r) { norm_row(op + r * os, xp + r * xs, wp, n, static_cast<float>(eps)); });
+  });
+}
+
+// residual += x; x = rms_norm(residual), both in place.
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "x and residual must agree");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must hold one value per column");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kvserve_fused_add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const int64_t n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+    for_rows(x.size(0), n, [&](int64_t r) {
+      scalar_t* xr = xp + r * xs;
+      scalar_t* rr = rp + r * rs;
+      for (int64_t i = 0; i < n; ++i) rr[i] = static_cast<scalar_t>(f32(xr[i]) + f32(rr[i]));
+      norm_row(xr, rr, wp, n, static_cast<float>(eps));
+    });
+  });
+}
+
+// silu rounded to the storage type before the product, as act(gate) * up does in torch
+template <typename T>
+void silu_row(T* o, const T* gate, const T* up, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(f32(static_cast<T>(ssilu(f32(gate[i])))) * f32(up[i]));
+}
+inline void silu_row(float* o, const float* gate, const float* up, int64_t d) {
+  int64_t i = 0;
+  for (; i + W <= d; i += W) vstore(o + i, vsilu(vload(gate + i)) * vload(up + i));
+  for (; i < d; ++i) o[i] = ssilu(gate[i]) * up[i];
+}
+
+// cos and sin rounded to the storage type first, as the torch version casts them
+template <typename T>
+void rotate_neox(T* x, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float ci = f32(static_cast<T>(c[i])), si = f32(static_cast<T>(s[i]));
+    const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+    x[i] = static_cast<T>(x1 * ci - x2 * si);
+    x[i + half] = static_cast<T>(x2 * ci + x1 * si);
+  }
+}
+
+// out [rows, d] = silu(x[:, :d]) * x[:, d:] for x [rows, 2d].
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0) && x.scalar_type() == out.scalar_type(),
+              "silu_and_mul takes [rows, 2d] into [rows, d]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kvserve_silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t d = out.size(1), xs = x.stride(0), os = out.stride(0);
+    for_rows(x.size(0), 2 * d, [&](int64_t r) {
+      const scalar_t* gate = xp + r * xs;
+      const scalar_t* up = gate + d;
+      silu_row(op + r * os, gate, up, d);
+    });
+  });
+}
+
+// Neox rotary in place over query [tokens, heads * head_dim] and key [tokens, kv_heads * head_dim]
+// (rows may be strided views of a fused qkv output). cos_sin_cache [max_positions, rotary_dim] float32
+// holds cos in its first half and sin in its second; dimensions past rotary_dim pass through.
+void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cache,
+                      int64_t head_dim) {
+  check_rows(query, "query");
+  check_rows(key, "key");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == query.size(0),
+              "positions must be int64, one per token");
+  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.dim() == 2, "cache must be float32");
+  TORCH_CHECK(query.size(1) % head_dim == 0 && key.size(1) % head_dim == 0, "head_dim must divide the widths");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share a dtype");
+  const int64_t rot = cache.size(1), half = rot / 2;
+  TORCH_CHECK(rot <= head_dim && rot % 2 == 0, "rotary_dim must be even and at most head_dim");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cs = cache.data_ptr<float>();
+  const int64_t max_pos = cache.size(0);
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " is outside the rotary cache");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "kvserve_rotary", [&] {
+    scalar_t* qp = query.data_ptr<scalar_t>();
+    scalar_t* kp = key.data_ptr<scalar_t>();
+    const int64_t qh = query.size(1) / head_dim, kh = key.size(1) / head_dim;
+    const int64_t qs = query.stride(0), ks = key.stride(0);
+    for_rows(query.size(0), (qh + kh) * head_dim, [&](int64_t t) {
+      const float* c = cs + pos[t] * rot;
+      const float* s = c + half;
+      for (int64_t h = 0; h < qh; ++h) rotate_neox(qp + t * qs + h * head_dim, c, s, half);
+      for (int64_t h = 0; h < kh; ++h) rotate_neox(kp + t * ks + h * head_dim, c, s, half);
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cache, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}
+
+}  // namespace kvserve
