@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -99,11 +100,17 @@ def run_spec(spec: dict, command: list[str], env: dict[str, str], progress: Call
         start = time.perf_counter()
         proc = subprocess.Popen([*command, spec_path, result_path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, text=True, env=env, cwd=tmp, start_new_session=True)
+        def kill_group() -> None:  # the runner and anything it started (compile workers)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
         timer = None
         if timeout_s is not None:
             import threading
 
-            timer = threading.Timer(timeout_s, proc.kill)
+            timer = threading.Timer(timeout_s, kill_group)
             timer.start()
         try:
             for line in proc.stdout:
@@ -117,7 +124,7 @@ def run_spec(spec: dict, command: list[str], env: dict[str, str], progress: Call
             if timer is not None:
                 timer.cancel()
             if proc.poll() is None:
-                proc.kill()
+                kill_group()
                 proc.wait()
         wall_s = time.perf_counter() - start
         if returncode != 0 or not os.path.exists(result_path):

@@ -25,13 +25,14 @@ SCALE, OUTPUT_LEN = 0.0625, 4
 # times every instance so that the first takes 2 s and the steady one 1 s.
 FAKE_RUNNER = """\
 #!{python}
-import json, os, sys
+import json, os, sys, time
 runner, spec_path, result_path = sys.argv[1:4]
 spec = json.load(open(spec_path))
 with open(os.environ["FAKE_SEEN"], "a") as f:
     f.write(json.dumps({{"argv": sys.argv, "spec": spec, "env": {{k: os.environ.get(k) for k in
         ("OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING", "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE")}}}}) + "\\n")
 print("INFO a line of vLLM's log", flush=True)
+time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
 if os.environ.get("FAKE_FAIL"):
     print("boom", flush=True)
     sys.exit(3)
@@ -160,6 +161,10 @@ def test_progress_and_failures(fake, model_dirs, monkeypatch, tmp_path):
     result = run_spec(spec, runner_command("vllm-cache", str(python)), runner_env("vllm-cache", 1),
                       progress=done.append)
     assert done == [1] * 8 and result["wall_s"] > 0
+    monkeypatch.setenv("FAKE_SLEEP", "60")
+    with pytest.raises(RunnerError, match=r"vllm-cache .* was killed after 1 s"):
+        run_spec(spec, runner_command("vllm-cache", str(python)), runner_env("vllm-cache", 1), timeout_s=1.0)
+    monkeypatch.setenv("FAKE_SLEEP", "0")
     monkeypatch.setenv("FAKE_FAIL", "1")
     with pytest.raises(RunnerError, match=r"(?s)vllm-cache .* exited with 3.*a line of vLLM's log.*boom"):
         run_spec(spec, runner_command("vllm-cache", str(python)), runner_env("vllm-cache", 1))
