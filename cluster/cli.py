@@ -39,6 +39,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.cli import add_bench_arguments, run_bench
     from benchmarks.online_vllm import add_bench_online_vllm_arguments, run_bench_online_vllm
+    from benchmarks.profile_step import add_profile_step_arguments, run_profile_step
     from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
     from benchmarks.tensor_parallel import add_bench_tp_arguments, run_bench_tp
     from workers.model_builder import add_make_model_arguments, run_make_model
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_serve = commands.add_parser("bench-serve", help="the Serve app over HTTP against the offline engine")
     add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(run=run_bench_serve)
+    profile = commands.add_parser("profile-step", help="where the time of a decode step goes, N sequences running")
+    add_profile_step_arguments(profile)
+    profile.set_defaults(run=run_profile_step)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -86,6 +86,21 @@ class ModelRunner:
     # --- memory profiling ---------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run the largest prefill and a full decode batch once, on a throwaway pool, before serving:
+        the BLAS and thread-pool set-up, the first touch of the activation memory and the kernels'
+        scratch happen at start instead of in the first requests' steps."""
+        self.profile_run()
+        num_seqs = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
+        kv_caches = allocate_kv_pool(self.kv_spec, num_seqs + 1, self.device)
+        positions = torch.zeros(num_seqs, dtype=torch.long, device=self.device)
+        meta = PagedAttentionMetadata.build([1] * num_seqs, [1] * num_seqs, [[b] for b in range(1, num_seqs + 1)],
+                                            self.block_size, self.device, self.attention_backend)
+        hidden = self.model(positions, positions, kv_caches, meta)
+        self.model.compute_logits(hidden)
+        del kv_caches, hidden
+
+    @torch.inference_mode()
     def profile_run(self) -> None:
         """A forward pass at the largest batch the scheduler can form, with a throwaway pool, so the
         peak activation memory is known before the KV pool takes the rest."""

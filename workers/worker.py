@@ -107,6 +107,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
+        if self.device.type == "cpu":
+            self.runner.warm_up()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(scheduler_output)

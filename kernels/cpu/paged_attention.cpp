@@ -255,14 +255,21 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
       }
       accumulate_values<DV, RB>(acc, rows, nv, alpha, s, 1, rows_padded, vf_, n);
     } else {
-      // s[r * kKeyTile + j] = q_r . k_j, vectorised over head_dim
-      for (int j = 0; j < n; ++j) {
-        const float* kj = kf[j];
+      // s[r * kKeyTile + j] = q_r . k_j: products vectorised over head_dim, then 16 keys' partial
+      // sums reduced together into one vector of scores
+      for (int j0 = 0; j0 < n; j0 += W) {
+        const int nj = std::min(W, n - j0);
         for (int r = 0; r < rows; ++r) {
           const float* qr = q + r * d;
-          vf t = vload(qr) * vload(kj);
-          for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * vload(kj + c * W);
-          s[r * kKeyTile + j] = hsum(t);
+          vf part[W];
+          for (int j = 0; j < nj; ++j) {
+            const float* kj = kf[j0 + j];
+            vf t = vload(qr) * vload(kj);
+            for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * vload(kj + c * W);
+            part[j] = t;
+          }
+          for (int j = nj; j < W; ++j) part[j] = vf{};
+          vstore(s + r * kKeyTile + j0, transpose_sum(part));
         }
       }
       for (int r = 0; r < rows; ++r) {

@@ -34,6 +34,20 @@ inline float hsum(vf v) {
   v4 s4 = a + b;
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
+// Sixteen vectors in, one out: lane j holds the sum of v[j]'s lanes. Three levels of pairing
+// (adjacent lanes, then pairs, quads, halves) keep every vector full: 15 shuffle pairs and adds
+// instead of a horizontal sum per vector.
+inline vf pair_sum(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+inline vf transpose_sum(const vf* v) {
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = pair_sum(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) b[i] = pair_sum(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) c[i] = pair_sum(b[2 * i], b[2 * i + 1]);
+  return pair_sum(c[0], c[1]);
+}
 inline float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < W; ++i) m = std::max(m, v[i]);

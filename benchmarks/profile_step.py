@@ -1,0 +1,185 @@
+"""`kvserve profile-step`: where the time of one decode step goes, with N sequences running.
+
+The engine runs in this process (tensor_parallel_size 1). N requests share a system prompt (or not)
+and are stepped until all of them decode; then each phase of the next steps is timed by wrapping the
+engine's own methods (scheduling, input preparation, the model forward, logits, sampling, the
+scheduler's update, output processing), and a second pass under torch's profiler splits the
+forward into operator families: matrix products, attention, the fused layer ops, other torch ops,
+and what is left is Python and dispatch between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+PHASES = ("schedule", "prepare inputs", "forward", "logits", "sample", "update", "outputs")
+OP_FAMILIES = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+    "attention": ("kvserve_cpu::paged_attention", "kvserve_cpu::store_kv", "aten::_scaled_dot_product",
+                  "aten::scaled_dot_product", "aten::index_copy_", "aten::index_select", "aten::_softmax",
+                  "aten::masked_fill"),
+    "fused layer ops": ("kvserve_cpu::rms_norm", "kvserve_cpu::fused_add_rms_norm", "kvserve_cpu::silu_and_mul",
+                        "kvserve_cpu::rotary_embedding"),
+}
+
+
+def add_profile_step_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: the llama `small` preset, built if missing)")
+    parser.add_argument("--num-seqs", type=int, default=64, help="sequences running in the profiled steps")
+    parser.add_argument("--prompt-len", type=int, default=544, help="prompt tokens per sequence")
+    parser.add_argument("--shared-prefix", type=int, default=512, help="leading prompt tokens all sequences share")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps to time (each pass)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "cpu"))
+    parser.add_argument("--no-cascade", action="store_true", help="turn shared-prefix attention off")
+
+
+class _Timers:
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.wrapped: list[tuple[object, str, object]] = []  # (object, attribute, its own value or None)
+
+    def wrap(self, obj, name: str, phase: str) -> None:
+        inner = getattr(obj, name)
+        self.wrapped.append((obj, name, vars(obj).get(name)))
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.total[phase] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+
+@contextmanager
+def _instrumented(core):
+    """Time the engine's phases by wrapping its methods on the instances (nothing global changes)."""
+    runner = core.executor.worker.runner
+    timers = _Timers()
+    timers.wrap(core.scheduler, "schedule", "schedule")
+    timers.wrap(core.scheduler, "update_from_output", "update")
+    timers.wrap(core.outputs, "process", "outputs")
+    timers.wrap(runner.batch, "update", "prepare inputs")
+    timers.wrap(runner.batch, "prepare", "prepare inputs")
+    timers.wrap(runner.model, "forward", "forward")
+    timers.wrap(runner.model, "compute_logits", "logits")
+    if runner.sampler is not None:
+        timers.wrap(runner, "sampler", "sample")
+    try:
+        yield timers
+    finally:
+        for obj, name, own in timers.wrapped:
+            if own is None:
+                delattr(obj, name)  # the class's method shows again
+            else:
+                setattr(obj, name, own)
+
+
+def _op_family(name: str) -> str:
+    for family, prefixes in OP_FAMILIES.items():
+        if name.startswith(prefixes):
+            return family
+    return "other torch ops"
+
+
+def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, shared_prefix: int = 512,
+                 steps: int = 20, threads: int = 2, block_size: int = 16, attention_backend: str = "auto",
+                 cascade: bool = True) -> dict:
+    from engine import LLM, SamplingParams
+    from engine.sampling_params import RequestOutputKind
+
+    torch.set_num_threads(threads)
+    rng = random.Random(0)
+    vocab_hi = 4000
+    prefix = [1] + [rng.randrange(5, vocab_hi) for _ in range(max(0, shared_prefix - 1))]
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 16, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    with LLM(model=model, max_num_seqs=num_seqs, block_size=block_size, attention_backend=attention_backend,
+             cascade_attention=cascade, max_model_len=prompt_len + params.max_tokens + block_size) as llm:
+        core = llm.core
+        for i in range(num_seqs):
+            own = [rng.randrange(5, vocab_hi) for _ in range(max(1, prompt_len - len(prefix)))]
+            core.add_request(f"p{i}", prefix + own, params)
+        while not (len(core.scheduler.running) == num_seqs and all(r.num_output_tokens for r in core.scheduler.running)):
+            core.step()
+        from torch.profiler import ProfilerActivity, profile
+
+        with _instrumented(core) as timers:
+            start = time.perf_counter()
+            for _ in range(steps):
+                core.step()
+            wall = time.perf_counter() - start
+            plain = dict(timers.total)
+            timers.total.clear()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    core.step()
+            profiled = dict(timers.total)
+        runner = core.executor.worker.runner
+        backend = runner.attention_backend.name
+        cascade_steps = runner.batch.num_cascade_steps
+    families: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        families[_op_family(event.key)] += event.self_cpu_time_total / 1e6
+    op_total = sum(families.values())
+    ms = lambda s: 1000 * s / steps  # noqa: E731
+    phases = {phase: ms(plain.get(phase, 0.0)) for phase in PHASES}
+    # the profiled pass splits forward + logits into operator self times and the Python and dispatch
+    # around them; scaled to the unprofiled pass's forward + logits time (the profiler slows both)
+    forward = plain.get("forward", 0.0) + plain.get("logits", 0.0)
+    profiled_forward = profiled.get("forward", 0.0) + profiled.get("logits", 0.0)
+    parts = dict(families)
+    parts["python and dispatch"] = max(0.0, profiled_forward - op_total)
+    scale = forward / max(profiled_forward, op_total) if op_total else 0.0
+    split = {family: ms(seconds * scale) for family, seconds in parts.items()}
+    step_ms = ms(wall)
+    phases["other"] = step_ms - sum(phases.values())
+    return {
+        "model": model, "num_seqs": num_seqs, "prompt_len": prompt_len, "shared_prefix": shared_prefix,
+        "threads": threads, "block_size": block_size, "attention_backend": backend, "cascade": cascade,
+        "cascade_steps": cascade_steps, "steps": steps, "step_ms": step_ms,
+        "tokens_per_s": num_seqs / (step_ms / 1000), "phases_ms": phases, "forward_ops_ms": split,
+        "profiled_op_s": op_total,
+    }
+
+
+def format_profile(result: dict) -> str:
+    step = result["step_ms"]
+    lines = [
+        f"{result['num_seqs']} sequences decoding, {result['prompt_len']}-token prompts ({result['shared_prefix']} "
+        f"shared), {result['threads']} threads, attention backend {result['attention_backend']}"
+        f"{'' if result['cascade'] else ', no shared-prefix attention'}",
+        f"decode step {step:.2f} ms = {result['tokens_per_s']:.0f} tok/s",
+        "",
+        "| phase | ms/step | share |", "|---|---:|---:|",
+    ]
+    for phase, value in result["phases_ms"].items():
+        lines.append(f"| {phase} | {value:.2f} | {value / step:.1%} |")
+        if phase == "logits":
+            for family, fvalue in sorted(result["forward_ops_ms"].items(), key=lambda kv: -kv[1]):
+                lines.append(f"| &nbsp;&nbsp;{family} | {fvalue:.2f} | {fvalue / step:.1%} |")
+    outside = step - result["forward_ops_ms"].get("matmul", 0.0)
+    lines.append(f"\noutside the matrix products: {outside:.2f} ms/step ({outside / step:.1%})")
+    return "\n".join(lines)
+
+
+def run_profile_step(args: argparse.Namespace) -> int:
+    if args.model is None:
+        from workers.model_builder import default_model_dir
+
+        args.model = str(default_model_dir())
+    result = profile_step(args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len,
+                          shared_prefix=args.shared_prefix, steps=args.steps, threads=args.threads,
+                          block_size=args.block_size, attention_backend=args.attention_backend,
+                          cascade=not args.no_cascade)
+    print(format_profile(result))
+    return 0

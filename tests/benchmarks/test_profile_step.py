@@ -1,0 +1,26 @@
+"""`kvserve profile-step`: the phases of a decode step add up, and the attention in them is the one asked for."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.profile_step import PHASES, format_profile, profile_step
+
+
+@pytest.mark.parametrize("backend,cascade", [("cpu", True), ("torch", False)])
+def test_profile_step_accounts_for_the_step(model_dirs, backend, cascade):
+    result = profile_step(model_dirs["llama"], num_seqs=6, prompt_len=70, shared_prefix=48, steps=4, threads=1,
+                          block_size=8, attention_backend=backend, cascade=cascade)
+    phases = result["phases_ms"]
+    assert set(phases) == {*PHASES, "other"}
+    assert all(phases[p] > 0 for p in PHASES)
+    # the wrapped phases are the step: what none of them covers is small
+    assert abs(phases["other"]) < 0.25 * result["step_ms"]
+    ops = result["forward_ops_ms"]
+    assert {"matmul", "attention"} <= set(ops)
+    assert sum(ops.values()) == pytest.approx(phases["forward"] + phases["logits"], rel=0.02)
+    assert result["attention_backend"] == backend
+    # six sequences share 48 tokens: every profiled step (and the steps before them) attends them once
+    assert (result["cascade_steps"] >= 8) == cascade
+    text = format_profile(result)
+    assert "outside the matrix products" in text and f"attention backend {backend}" in text
