@@ -75,6 +75,8 @@ def run_bench(args: argparse.Namespace) -> int:
         args.model = str(default_model_dir())
     workloads = list(WORKLOADS) if "all" in args.workload else args.workload
     systems = args.systems or [s for s in SYSTEMS if args.vllm_python or not s.startswith("vllm-")]
+    if any(s.startswith("vllm-") for s in systems) and not args.vllm_python:
+        sys.exit("kvserve bench: vllm-nocache and vllm-cache need --vllm-python (the python of a venv with vLLM)")
     report = bench(args.model, workloads=workloads, systems=systems, scale=args.scale,
                    output_len=args.output_len, threads=args.threads, hf_batch_size=args.hf_batch_size,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -194,8 +196,11 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
     """The report of `kvserve bench` (see the module docstring): offline runs per workload, each
     system in its own process; the step-overhead probe; the online runs. ``hf_cb``: fields of HF's
     ContinuousBatchingConfig (its defaults otherwise)."""
-    if any(s.startswith("vllm-") for s in systems) and not vllm_python:
-        raise ValueError("vllm-nocache and vllm-cache need vllm_python (--vllm-python)")
+    if any(s.startswith("vllm-") for s in systems):
+        if not vllm_python:
+            raise ValueError("vllm-nocache and vllm-cache need vllm_python (--vllm-python)")
+        if not (os.path.isfile(vllm_python) and os.access(vllm_python, os.X_OK)):
+            raise ValueError(f"--vllm-python {vllm_python}: not an executable file")
     vllm_threads = vllm_threads or threads
     bars = _Progress(progress)
     kv_bytes = int(kv_cache_gib * 2**30)

@@ -175,6 +175,9 @@ def test_progress_and_failures(fake, model_dirs, monkeypatch, tmp_path):
     assert "boom" in section["failed"][0]["error"] and "**vllm-cache failed**: boom" in format_markdown(report)
     with pytest.raises(ValueError, match="vllm-python"):
         bench(model_dirs["llama"], workloads=["shared-system-prompt"], systems=["vllm-cache"], progress=False)
+    with pytest.raises(ValueError, match="not an executable file"):
+        bench(model_dirs["llama"], workloads=["shared-system-prompt"], systems=["vllm-cache"], progress=False,
+              vllm_python=str(tmp_path / "missing"))
 
 
 def test_real_runner_predecessors_match_the_workloads(model_dirs):
