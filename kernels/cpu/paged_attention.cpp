@@ -187,10 +187,14 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   const int64_t head_offset = static_cast<int64_t>(kv_head) * d;
   for (int start = kv_begin; start < kv_end; start += kKeyTile) {
     const int n = std::min(kKeyTile, kv_end - start);
+    int block = start / p.block_size, offset = start % p.block_size;
     for (int j = 0; j < n; ++j) {
-      const int pos = start + j;
-      const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_stride +
-                           static_cast<int64_t>(pos % p.block_size) * p.slot_stride + head_offset;
+      const int64_t slot = static_cast<int64_t>(table[block]) * p.block_stride +
+                           static_cast<int64_t>(offset) * p.slot_stride + head_offset;
+      if (++offset == p.block_size) {
+        offset = 0;
+        ++block;
+      }
       if constexpr (std::is_same_v<scalar_t, float>) {
         kf[j] = p.k_pool + slot;
         vf_[j] = p.v_pool + slot;
@@ -207,8 +211,48 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     }
     const bool masked = start + n > min_limit;
     if (by_rows) {
-      // s[j * rows_padded + r] = q_r . k_j, 16 rows per vector, 4 keys per pass
-      for (int c = 0; c < rows_padded; c += W) {
+      // s[j * rows_padded + r] = q_r . k_j, 16 rows per vector; 32 rows x 4 keys per pass where
+      // there are 32 rows (each key element loaded once for both vectors), else 16 x 4
+      int c = 0;
+      for (; c + 2 * W <= rows_padded; c += 2 * W) {
+        int j = 0;
+        for (; j + 4 <= n; j += 4) {
+          vf a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+          const float *k0 = kf[j], *k1 = kf[j + 1], *k2 = kf[j + 2], *k3 = kf[j + 3];
+          for (int k = 0; k < d; ++k) {
+            const vf x = vload(qt + k * rows_padded + c);
+            const vf y = vload(qt + k * rows_padded + c + W);
+            const float e0 = k0[k], e1 = k1[k], e2 = k2[k], e3 = k3[k];
+            a0 += x * e0;
+            b0 += y * e0;
+            a1 += x * e1;
+            b1 += y * e1;
+            a2 += x * e2;
+            b2 += y * e2;
+            a3 += x * e3;
+            b3 += y * e3;
+          }
+          vstore(s + (j + 0) * rows_padded + c, a0);
+          vstore(s + (j + 1) * rows_padded + c, a1);
+          vstore(s + (j + 2) * rows_padded + c, a2);
+          vstore(s + (j + 3) * rows_padded + c, a3);
+          vstore(s + (j + 0) * rows_padded + c + W, b0);
+          vstore(s + (j + 1) * rows_padded + c + W, b1);
+          vstore(s + (j + 2) * rows_padded + c + W, b2);
+          vstore(s + (j + 3) * rows_padded + c + W, b3);
+        }
+        for (; j < n; ++j) {
+          vf a0 = {}, b0 = {};
+          const float* k0 = kf[j];
+          for (int k = 0; k < d; ++k) {
+            a0 += vload(qt + k * rows_padded + c) * k0[k];
+            b0 += vload(qt + k * rows_padded + c + W) * k0[k];
+          }
+          vstore(s + j * rows_padded + c, a0);
+          vstore(s + j * rows_padded + c + W, b0);
+        }
+      }
+      for (; c < rows_padded; c += W) {
         int j = 0;
         for (; j + 4 <= n; j += 4) {
           vf a0 = {}, a1 = {}, a2 = {}, a3 = {};

@@ -83,7 +83,7 @@ inline float sexp(float x) { return vexp(vsplat(x))[0]; }
 inline vf vsilu(vf x) {
   const vf zero = vsplat(0.0f);
   const vf e = vexp(x > zero ? -x : x);
-  const vf sig = x > zero ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  const vf sig = (x > zero ? vsplat(1.0f) : e) / (1.0f + e);
   return x * sig;
 }
 inline float ssilu(float x) { return vsilu(vsplat(x))[0]; }
