@@ -20,6 +20,7 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -350,6 +351,8 @@ def _measure(name: str, args: argparse.Namespace, model: str, log_dir: str) -> d
             print(f"[{name}] killed after SIGTERM: {', '.join(killed)}", flush=True)
     left = [f"{_process_name(pid)} (pid {pid})" for pid in _tagged_pids(server.tag)
             if (_stat(pid) or ["Z"])[0] != "Z"]
+    if not left and "ray_tmpdir" in server.extra:  # the cluster is gone: its session files too
+        shutil.rmtree(server.extra["ray_tmpdir"], ignore_errors=True)
     return {**measured, "ready_s": server.ready_s, "killed_after_sigterm": killed, "left_running": left,
             "log": server.log_path, **server.extra}
 
@@ -382,7 +385,9 @@ def format_online_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def bench_online_vllm(args: argparse.Namespace, model: str) -> dict:
+def bench_online_vllm(args: argparse.Namespace, model: str, log_dir: str | None = None) -> dict:
+    """Each of ``args.systems`` started, measured and stopped in turn; logs and the client's result
+    files go to ``log_dir`` (a new temporary folder by default)."""
     report = {"model": model, "command": "kvserve bench-online-vllm " + shlex.join(sys.argv[2:]),
               "settings": {k: getattr(args, k) for k in
                            ("num_prompts", "max_concurrency", "prefix_len", "input_len", "output_len", "threads",
@@ -390,7 +395,7 @@ def bench_online_vllm(args: argparse.Namespace, model: str) -> dict:
                             "served_model_name")}}
     report["settings"].update(vllm_threads=args.vllm_threads or args.threads, vllm_block_size=VLLM_BLOCK_SIZE,
                               vllm_python=args.vllm_python)
-    log_dir = tempfile.mkdtemp(prefix="kvserve-online-vllm-")
+    log_dir = log_dir or tempfile.mkdtemp(prefix="kvserve-online-vllm-")
     report["logs"] = log_dir
     for name in args.systems:
         report[name] = _measure(name, args, model, log_dir)

@@ -54,6 +54,14 @@ else:  # benchmarks/vllm_bench_client.py <flags>
 """
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:  # gone meanwhile
+        return b""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,33 +95,33 @@ def test_client_flags(fake_python):
     assert "--ignore-eos" in command and "--save-result" in command
 
 
-def test_fake_vllm_server_started_measured_and_stopped(fake_python, model_dirs, monkeypatch):
+def test_fake_vllm_server_started_measured_and_stopped(fake_python, model_dirs, monkeypatch, tmp_path):
     monkeypatch.setattr(online_vllm, "LINGER_S", 2.0)
     port = free_port()
     args = parse("--vllm-python", fake_python, "--systems", "vllm", "--vllm-port", str(port), "--num-prompts", "16",
                  "--vllm-threads", "1", "--startup-timeout", "60")
-    report = bench_online_vllm(args, model_dirs["llama"])
+    report = bench_online_vllm(args, model_dirs["llama"], str(tmp_path))
     section = report["vllm"]
     assert section["result"]["completed"] == 16 and section["ready_s"] >= 1.0
     assert "--enable-prefix-caching" not in section["result"]["argv"]  # the client's flags, not the server's
     assert any("sleep(600)" in k for k in section["killed_after_sigterm"])  # the left-behind process, killed
     assert section["left_running"] == []
     assert online_vllm._port_free(port)
-    log = open(section["log"]).read()
-    assert log == ""  # the fake server prints nothing
+    with open(section["log"]) as f:
+        assert f.read() == ""  # the fake server prints nothing
     assert report["settings"]["vllm_threads"] == 1 and report["settings"]["vllm_block_size"] == 32
     table = format_online_report(report)
     assert "| output tok/s | - | 50.0 | - |" in table and "| completed requests | - | 16 | - |" in table
 
 
-def test_kvserve_serve_run_started_measured_and_stopped(fake_python, model_dirs, monkeypatch):
+def test_kvserve_serve_run_started_measured_and_stopped(fake_python, model_dirs, monkeypatch, tmp_path):
     """The real `serve run` (on a free port, hence through a config file), answered by a completion,
     then SIGTERM: no process of its Ray cluster may survive."""
     port = free_port()
     monkeypatch.setenv("FAKE_COMPLETE_PORT", str(port))
     args = parse("--vllm-python", fake_python, "--systems", "kvserve", "--kvserve-port", str(port),
                  "--num-prompts", "8", "--kv-cache-gib", "0.0625", "--startup-timeout", "120")
-    report = bench_online_vllm(args, model_dirs["llama"])
+    report = bench_online_vllm(args, model_dirs["llama"], str(tmp_path))
     section = report["kvserve"]
     assert section["result"]["completed"] == 8
     assert section["left_running"] == []
@@ -123,9 +131,8 @@ def test_kvserve_serve_run_started_measured_and_stopped(fake_python, model_dirs,
     config = json.load(open(os.path.join(report["logs"], "kvserve_serve_config.yaml")))
     assert config["http_options"]["port"] == port
     assert config["applications"][0]["args"]["model"] == model_dirs["llama"]
-    leftovers = [pid for pid in online_vllm._all_pids()
-                 if section["ray_tmpdir"].encode() in open(f"/proc/{pid}/cmdline", "rb").read()]
-    assert leftovers == []
+    leftovers = [pid for pid in online_vllm._all_pids() if section["ray_tmpdir"].encode() in cmdline(pid)]
+    assert leftovers == [] and not os.path.exists(section["ray_tmpdir"])  # its session files removed too
 
 
 def test_table_ratios():
