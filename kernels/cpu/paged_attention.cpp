@@ -52,6 +52,7 @@ struct Problem {
   const scalar_t* v_pool;
   int64_t block_stride, slot_stride;  // pool strides: per block, per slot (kv_heads * head_dim)
   int block_size, num_kv_heads, group_size, head_dim, num_heads;
+  int64_t num_tokens;
   scalar_t* out;
   int64_t out_tok_stride;
   float* lse;  // [tokens, heads], written by the group pass, read by the suffix pass
@@ -431,11 +432,24 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
                           const at::Tensor& group_lens, const at::Tensor& group_member_start,
                           const at::Tensor& group_members) {
   const int num_seqs = static_cast<int>(seq_lens.size(0));
+  const int num_tokens = static_cast<int>(p.num_tokens);
+  const int64_t table_width = block_tables.size(1);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = kv_starts.numel() ? kv_starts.data_ptr<int32_t>() : nullptr;
   const int g = p.group_size;
   const int tokens_per_item = std::max(1, kMaxRows / g);
+  // metadata is checked before anything runs: a bad table must fail the call, not read out of bounds
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == num_tokens, "query_start_loc must span the query tokens");
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = qsl[s + 1] - qsl[s], first_pos = lens[s] - q_len, kv_begin = starts ? starts[s] : 0;
+    TORCH_CHECK(q_len >= 1 && first_pos >= 0, "sequence ", s, ": ", q_len, " query tokens do not fit its context of ",
+                lens[s]);
+    TORCH_CHECK(lens[s] <= table_width * p.block_size, "sequence ", s, ": its block table is too short for ", lens[s],
+                " tokens");
+    TORCH_CHECK(kv_begin >= 0 && kv_begin <= first_pos && kv_begin % p.block_size == 0,
+                "sequence ", s, ": a shared prefix must end on a block boundary before its queries");
+  }
 
   // group pass: every member's query tokens against the shared keys, all visible
   const int num_groups = static_cast<int>(group_lens.numel());
@@ -445,10 +459,18 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
     const int32_t* members = group_members.data_ptr<int32_t>();
     std::vector<int32_t> tokens, limits;
     std::vector<Item> items;
+    TORCH_CHECK(group_member_start.numel() == num_groups + 1 && gstart[0] == 0 &&
+                    gstart[num_groups] == group_members.numel(),
+                "group_member_start must span group_members");
     for (int gi = 0; gi < num_groups; ++gi) {
+      TORCH_CHECK(gstart[gi] <= gstart[gi + 1], "group_member_start must not decrease");
+      TORCH_CHECK(glens[gi] > 0 && glens[gi] <= group_block_tables.size(1) * p.block_size,
+                  "group ", gi, ": its block table is too short for ", glens[gi], " tokens");
       const int begin = static_cast<int>(tokens.size());
       for (int mi = gstart[gi]; mi < gstart[gi + 1]; ++mi) {
         const int s = members[mi];
+        TORCH_CHECK(s >= 0 && s < num_seqs && starts && starts[s] == glens[gi],
+                    "group ", gi, ": member ", s, " must be a sequence whose kv_start is the group's length");
         for (int t = qsl[s]; t < qsl[s + 1]; ++t) {
           tokens.push_back(t);
           limits.push_back(glens[gi]);
@@ -472,6 +494,7 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
     const int q_begin = qsl[s], q_len = qsl[s + 1] - qsl[s];
     const int first_pos = lens[s] - q_len;
     const int kv_begin = starts ? starts[s] : 0;
+
     const int begin = static_cast<int>(tokens.size());
     for (int i = 0; i < q_len; ++i) {
       tokens.push_back(q_begin + i);
@@ -570,6 +593,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     p.block_stride = k_pool.stride(0);
     p.slot_stride = k_pool.stride(1);
     p.num_heads = static_cast<int>(heads);
+    p.num_tokens = tokens;
     p.group_size = static_cast<int>(heads / p.num_kv_heads);
     p.out = out.data_ptr<scalar_t>();
     p.out_tok_stride = out.stride(0);
