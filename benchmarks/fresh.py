@@ -67,6 +67,8 @@ def runner_env(system: str, threads: int) -> dict[str, str]:
     and must not see this repository's packages (its venv has no kvserve)."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
+    if threads == 0:  # the system's own default (vLLM then picks its threads itself)
+        env.pop("OMP_NUM_THREADS")
     env["TOKENIZERS_PARALLELISM"] = "false"
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != REPO_ROOT]
     if system.startswith("vllm-"):

@@ -20,7 +20,7 @@ import torch
 
 PHASES = ("schedule", "prepare inputs", "forward", "logits", "sample", "update", "outputs")
 OP_FAMILIES = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "kvserve_cpu::linear"),
     "attention": ("kvserve_cpu::paged_attention", "kvserve_cpu::store_kv", "aten::_scaled_dot_product",
                   "aten::scaled_dot_product", "aten::index_copy_", "aten::index_select", "aten::_softmax",
                   "aten::masked_fill"),

@@ -19,18 +19,16 @@ class CpuAttentionBackend:
 
     def __init__(self, ops) -> None:
         self.ops = ops  # torch.ops.kvserve_cpu
-        self.layer_ops = CpuLayerOps(ops)  # fused norms, activation and rotary for the layers
+        self.layer_ops = CpuLayerOps(ops)  # fused norms, activation, rotary and linear for the layers
+        self._attend = ops.paged_attention.default
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-        self.ops.store_kv(key, value, k_pool, v_pool, meta.slot_mapping)
-        out = torch.empty(query.shape, dtype=query.dtype)
         groups = meta.cascade
         if groups is None:
-            self.ops.paged_attention(out, query, k_pool, v_pool, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, _EMPTY, _EMPTY_TABLE, _EMPTY, _EMPTY, _EMPTY, scale)
-        else:
-            self.ops.paged_attention(out, query, k_pool, v_pool, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, groups.kv_starts, groups.block_tables, groups.lens,
-                                     groups.member_start, groups.members, scale)
-        return out
+            return self._attend(query, key, value, k_pool, v_pool, meta.slot_mapping, meta.block_tables,
+                                meta.query_start_loc, meta.seq_lens, _EMPTY, _EMPTY_TABLE, _EMPTY, _EMPTY, _EMPTY,
+                                scale)
+        return self._attend(query, key, value, k_pool, v_pool, meta.slot_mapping, meta.block_tables,
+                            meta.query_start_loc, meta.seq_lens, groups.kv_starts, groups.block_tables, groups.lens,
+                            groups.member_start, groups.members, scale)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 NAME = "kvserve_cpu"
-SOURCES = tuple(Path(__file__).parent / name for name in ("vec.h", "paged_attention.cpp", "elementwise.cpp"))
+SOURCES = tuple(Path(__file__).parent / name for name in ("vec.h", "paged_attention.cpp", "elementwise.cpp", "linear.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast")
 
 _lock = threading.Lock()

@@ -49,7 +49,9 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, hidden] with a contiguous last axis");
 }
 
-void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  const at::Tensor x = input.reshape({-1, input.size(-1)});
+  at::Tensor out = at::empty(x.sizes(), x.options());
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must hold one value per column");
@@ -62,6 +64,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
     const int64_t n = x.size(1), xs = x.stride(0), os = out.stride(0);
     for_rows(x.size(0), n, [&](int64_t r) { norm_row(op + r * os, xp + r * xs, wp, n, static_cast<float>(eps)); });
   });
+  return out.view(input.sizes());
 }
 
 // residual += x; x = rms_norm(residual), both in place.
@@ -108,7 +111,10 @@ void rotate_neox(T* x, const float* c, const float* s, int64_t half) {
 }
 
 // out [rows, d] = silu(x[:, :d]) * x[:, d:] for x [rows, 2d].
-void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+at::Tensor silu_and_mul(const at::Tensor& input) {
+  const at::Tensor x = input.reshape({-1, input.size(-1)});
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul takes an even width");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0) && x.scalar_type() == out.scalar_type(),
@@ -123,6 +129,9 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
       silu_row(op + r * os, gate, up, d);
     });
   });
+  auto sizes = input.sizes().vec();
+  sizes.back() /= 2;
+  return out.view(sizes);
 }
 
 // Neox rotary in place over query [tokens, heads * head_dim] and key [tokens, kv_heads * head_dim]
@@ -161,9 +170,9 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cache, int head_dim) -> ()");
 }
 

@@ -552,7 +552,7 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool
   });
 }
 
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
+void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& kv_starts, const at::Tensor& group_block_tables,
                      const at::Tensor& group_lens, const at::Tensor& group_member_start,
@@ -616,12 +616,31 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   });
 }
 
+// The layer's whole attention in one call: store the step's K/V, then attend -> [tokens, heads, head_dim].
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool,
+                           at::Tensor& v_pool, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
+                           const at::Tensor& group_block_tables, const at::Tensor& group_lens,
+                           const at::Tensor& group_member_start, const at::Tensor& group_members, double scale) {
+  store_kv(key, value, k_pool, v_pool, slot_mapping);
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  paged_attention_out(out, query, k_pool, v_pool, block_tables, query_start_loc, seq_lens, kv_starts,
+                      group_block_tables, group_lens, group_member_start, group_members, scale);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping) -> ()");
   m.def(
-      "paged_attention(Tensor(a!) out, Tensor query, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
+      "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, "
+      "Tensor group_block_tables, Tensor group_lens, Tensor group_member_start, Tensor group_members, "
+      "float scale) -> Tensor");
+  // attention alone into a given output (benchmarks and tests of the kernel itself)
+  m.def(
+      "paged_attention_out_(Tensor(a!) out, Tensor query, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, Tensor group_block_tables, Tensor group_lens, "
       "Tensor group_member_start, Tensor group_members, float scale) -> ()");
 }
@@ -629,6 +648,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("store_kv", &store_kv);
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_out_", &paged_attention_out);
 }
 
 }  // namespace kvserve

@@ -73,8 +73,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
         self.packed_weight: torch.Tensor | None = None  # see workers.layers.kernels
+        self.linear = F.linear  # or the compiled CPU linear (``workers.layers.kernels``)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         weight = self.weight if self.packed_weight is None else self.packed_weight
-        logits = self.tp.gather_to_first(F.linear(hidden, weight))
+        logits = self.tp.gather_to_first(self.linear(hidden, weight, None))
         return None if logits is None else logits[:, : self.vocab_size].float()

@@ -55,9 +55,10 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = new_param((output_size, input_size), dtype, device, default_weight_loader)
         self.bias = new_param((output_size,), dtype, device, default_weight_loader) if bias else None
+        self.linear = F.linear  # or the compiled CPU linear (``workers.layers.kernels``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class _ColumnShards(nn.Module):
@@ -82,6 +83,7 @@ class _ColumnShards(nn.Module):
         self.output_size_per_rank = offset
         self.weight = new_param((offset, input_size), dtype, device, self.weight_loader)
         self.bias = new_param((offset,), dtype, device, self.weight_loader) if bias else None
+        self.linear = F.linear  # or the compiled CPU linear (``workers.layers.kernels``)
 
     def weight_loader(self, param: nn.Parameter, weight: WeightSlice, shard_id: ShardId = None) -> None:
         if shard_id not in self.shard_layout:
@@ -90,7 +92,7 @@ class _ColumnShards(nn.Module):
         copy_weight(param.data[offset : offset + rows], weight[src_start : src_start + rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_ColumnShards):
@@ -160,12 +162,13 @@ class RowParallelLinear(nn.Module):
         self.input_start, input_end = tp.shard(input_size, "input features")
         self.weight = new_param((output_size, input_end - self.input_start), dtype, device, self.weight_loader)
         self.bias = new_param((output_size,), dtype, device, default_weight_loader) if bias else None
+        self.linear = F.linear  # or the compiled CPU linear (``workers.layers.kernels``)
 
     def weight_loader(self, param: nn.Parameter, weight: WeightSlice, shard_id: ShardId = None) -> None:
         copy_weight(param.data, weight[:, self.input_start : self.input_start + param.shape[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(self.linear(x, self.weight, None))
         return out if self.bias is None else out.add_(self.bias)
