@@ -73,3 +73,22 @@ def test_rotary_rejects_a_position_outside_the_cache():
     cache = torch.randn(8, 32)
     with pytest.raises(RuntimeError, match="outside the rotary cache"):
         OPS.rotary_neox_(torch.tensor([1, 8]), q, k, cache, 32)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 512, 513, 2048])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_f_linear(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    weight = torch.randn(200, 96, generator=gen)  # 200 columns: thread blocks of 64 and a ragged last one
+    bias = torch.randn(200, generator=gen) if with_bias else None
+    want = F.linear(x, weight, bias)
+    packed = weight.t().contiguous().t()  # the layout workers.layers.kernels gives linear weights
+    torch.testing.assert_close(OPS.linear(x, packed, bias), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(OPS.linear(x, weight, bias), want, atol=1e-4, rtol=1e-5)  # plain layout: F.linear
+
+
+def test_linear_other_dtypes_fall_back():
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    weight = torch.randn(48, 32, dtype=torch.bfloat16).t().contiguous().t()
+    torch.testing.assert_close(OPS.linear(x, weight, None), F.linear(x, weight))
