@@ -54,6 +54,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-log-stats", action="store_true", help="vLLM keeps its request stats (its own "
                         "TTFT per request is reported beside the measured one)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one system may take on one workload")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of the offline systems, taking turns; each "
+                        "system's best round is reported, every round's figures with it")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 64],
                         help="online: requests in flight, one run each")
     parser.add_argument("--request-rate", type=float, nargs="*", default=[4.0],
@@ -83,7 +85,7 @@ def run_bench(args: argparse.Namespace) -> int:
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gib=args.kv_cache_gib,
                    vllm_python=args.vllm_python, vllm_threads=args.vllm_threads,
-                   vllm_log_stats=args.vllm_log_stats, timeout_s=args.timeout,
+                   vllm_log_stats=args.vllm_log_stats, timeout_s=args.timeout, repeat=args.repeat,
                    stream_interval=args.stream_interval, concurrency=args.concurrency,
                    request_rates=args.request_rate, url=args.url, served_model_name=args.served_model_name,
                    api_key=args.api_key, overhead_seqs=args.overhead_seqs, progress=not args.no_progress,
@@ -114,12 +116,38 @@ def _updater(bar):
     return None if bar is None else bar.update
 
 
+def _best_of_rounds(rounds: list[dict]) -> dict:
+    """The round with the best steady output tok/s, with every round's first and steady figures."""
+    best = max(rounds, key=lambda run: run["output_tokens_per_s"])
+    best["rounds"] = [{"first": (r.get("first") or {}).get("output_tokens_per_s"), "steady": r["output_tokens_per_s"],
+                       "pid": r.get("pid")} for r in rounds]
+    return best
+
+
 def _offline_runs(model: str, instances: list[tuple[str, object]], systems: list[str], *, threads: int,
                   vllm_threads: int, engine: dict, vllm_python: str | None, hf_batch_size: int,
                   hf_cb: dict | None, vllm_log_stats: bool, timeout_s: float | None, bars: _Progress,
-                  failed: list[dict]) -> list[dict]:
-    """Each offline system on the workload's instances, in a fresh process each. A system whose
-    process fails is left out of the runs and listed in ``failed`` (its output's tail with it)."""
+                  failed: list[dict], repeat: int = 1) -> list[dict]:
+    """Each offline system on the workload's instances, in a fresh process each; with ``repeat`` > 1
+    the systems take turns (A B A B ...: the machine's drift falls on all of them alike) and each
+    keeps its best round. A system whose process fails is left out of the runs and listed in
+    ``failed`` (its output's tail with it)."""
+    rounds: dict[str, list[dict]] = {}
+    for _ in range(repeat):
+        for run in _offline_round(model, instances, systems, threads=threads, vllm_threads=vllm_threads,
+                                  engine=engine, vllm_python=vllm_python, hf_batch_size=hf_batch_size,
+                                  hf_cb=hf_cb, vllm_log_stats=vllm_log_stats, timeout_s=timeout_s, bars=bars,
+                                  failed=failed):
+            rounds.setdefault(run["name"], []).append(run)
+    runs = [_best_of_rounds(r) for r in rounds.values()] if repeat > 1 else [r[0] for r in rounds.values()]
+    compare_tokens(runs)
+    return runs
+
+
+def _offline_round(model: str, instances: list[tuple[str, object]], systems: list[str], *, threads: int,
+                   vllm_threads: int, engine: dict, vllm_python: str | None, hf_batch_size: int,
+                   hf_cb: dict | None, vllm_log_stats: bool, timeout_s: float | None, bars: _Progress,
+                   failed: list[dict]) -> list[dict]:
     name = instances[0][1].name
     total = sum(len(w.requests) for _, w in instances)
     runs = []
@@ -140,7 +168,6 @@ def _offline_runs(model: str, instances: list[tuple[str, object]], systems: list
             continue
         run_name = f"hf-static-b{hf_batch_size}" if system == "hf-static" else system
         runs.append(run_from_result(run_name, result))
-    compare_tokens(runs)
     return runs
 
 
@@ -190,7 +217,7 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
           threads: int = 2, hf_batch_size: int = 8, hf_cb: dict | None = None, block_size: int = 8,
           max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, kv_cache_gib: float = 2.0,
           vllm_python: str | None = None, vllm_threads: int | None = None, vllm_log_stats: bool = False,
-          timeout_s: float | None = 3600,
+          timeout_s: float | None = 3600, repeat: int = 1,
           stream_interval: int = 1, concurrency: list[int] = (8, 64), request_rates: list[float] = (),
           url: str | None = None, served_model_name: str = "bench", api_key: str | None = None,
           overhead_seqs: int = 64, progress: bool = True, command: str = "kvserve bench") -> dict:
@@ -219,7 +246,8 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
         "settings": {"threads": threads, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                      "kv_cache_memory_bytes": kv_bytes, "hf_batch_size": hf_batch_size,
                      "process": "one fresh process per system and workload; the first instance right after "
-                                "the system is built, then the steady instance"},
+                                "the system is built, then the steady instance",
+                     "repeat": repeat},
         "workloads": {},
     }
     if vllm_python and any(s.startswith("vllm-") for s in systems):
@@ -234,7 +262,7 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
             "runs": _offline_runs(model, pair, systems, threads=threads, vllm_threads=vllm_threads,
                                   engine={**engine, "max_model_len": max_model_len}, vllm_python=vllm_python,
                                   hf_batch_size=hf_batch_size, hf_cb=hf_cb, vllm_log_stats=vllm_log_stats,
-                                  timeout_s=timeout_s, bars=bars, failed=failed)}
+                                  timeout_s=timeout_s, bars=bars, failed=failed, repeat=repeat)}
         if failed:
             report["workloads"][name]["failed"] = failed
         vllm_run = next((r for r in report["workloads"][name]["runs"] if r["name"].startswith("vllm-")), None)

@@ -84,19 +84,25 @@ def _instances(runs: list[dict]) -> list[str]:
     runs = [r for r in runs if r.get("first")]
     if not runs:
         return []
+    rounds = any(r.get("rounds") for r in runs)
     lines = ["First instance (right after the system was built, no warm-up) and steady instance (the same "
-             "shape, other tokens, next in the same process):", "",
+             "shape, other tokens, next in the same process)"
+             + (", the best of the rounds, every round's first / steady tok/s beside it:" if rounds else ":"), "",
              "| run | start s | first tok/s | steady tok/s | steady/first | TTFT p50 first / steady (ms) "
-             "| same tokens as kvserve-cache first / steady |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| same tokens as kvserve-cache first / steady |" + (" rounds (first / steady) |" if rounds else ""),
+             "|---|---:|---:|---:|---:|---:|---:|" + ("---|" if rounds else "")]
     for run in runs:
         first = run["first"]
         same = [part.get("same_tokens_as_kvserve_cache") for part in (first, run)]
-        lines.append(f"| {run['name']} | {_fixed(run.get('start_s'), 1)} "
-                     f"| {_fixed(first.get('output_tokens_per_s'), 1)} "
-                     f"| {_fixed(run.get('output_tokens_per_s'), 1)} | {_fixed(run.get('steady_over_first'), 2)} "
-                     f"| {_ms((first.get('ttft_s') or {}).get('p50'))} / {_ms((run.get('ttft_s') or {}).get('p50'))} "
-                     f"| {' / '.join(_percent(v) for v in same) if any(v is not None for v in same) else DASH} |")
+        row = (f"| {run['name']} | {_fixed(run.get('start_s'), 1)} "
+               f"| {_fixed(first.get('output_tokens_per_s'), 1)} "
+               f"| {_fixed(run.get('output_tokens_per_s'), 1)} | {_fixed(run.get('steady_over_first'), 2)} "
+               f"| {_ms((first.get('ttft_s') or {}).get('p50'))} / {_ms((run.get('ttft_s') or {}).get('p50'))} "
+               f"| {' / '.join(_percent(v) for v in same) if any(v is not None for v in same) else DASH} |")
+        if rounds:
+            row += " " + ", ".join(f"{_fixed(r['first'], 0)} / {_fixed(r['steady'], 0)}"
+                                   for r in run.get("rounds") or []) + " |"
+        lines.append(row)
     return lines + [""]
 
 
@@ -166,7 +172,10 @@ def format_markdown(report: dict) -> str:
                   f"{settings.get('max_num_seqs', DASH)}, max_num_batched_tokens "
                   f"{settings.get('max_num_batched_tokens', DASH)}, KV cache "
                   f"{_fixed((settings.get('kv_cache_memory_bytes') or 0) / 2**30, 1)} GiB; "
-                  f"{settings.get('process', '')}. Tables show the steady instance unless they say otherwise.", ""]
+                  f"{settings.get('process', '')}"
+                  + (f"; {settings['repeat']} rounds, the systems taking turns, each system's best round"
+                     if (settings.get("repeat") or 1) > 1 else "")
+                  + ". Tables show the steady instance unless they say otherwise.", ""]
     vllm = report.get("vllm")
     if vllm:
         lines += [f"vLLM {vllm.get('version') or DASH} (`{vllm.get('python', DASH)}`): OMP_NUM_THREADS="

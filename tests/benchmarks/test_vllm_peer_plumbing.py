@@ -37,6 +37,11 @@ if os.environ.get("FAKE_FAIL"):
     print("boom", flush=True)
     sys.exit(3)
 tokens = json.load(open(os.environ["FAKE_TOKENS"]))
+steady_s = 1.0
+if os.environ.get("FAKE_ROUNDS"):  # every other process is twice as fast in its steady instance
+    count = int(open(os.environ["FAKE_ROUNDS"]).read() or 0) if os.path.exists(os.environ["FAKE_ROUNDS"]) else 0
+    open(os.environ["FAKE_ROUNDS"], "w").write(str(count + 1))
+    steady_s = 0.5 if count % 2 else 1.0
 instances = []
 for k, item in enumerate(spec["instances"]):
     label, requests = item["label"], item["workload"]["requests"]
@@ -50,7 +55,7 @@ for k, item in enumerate(spec["instances"]):
                         "chunk_tokens": [1] * len(times), "end": times[-1], "cached_tokens": None, "error": None,
                         "token_ids": t}})
         print("@@bench-progress 1", flush=True)
-    instances.append({{"label": label, "elapsed_s": 2.0 if label == "first" else 1.0, "records": records,
+    instances.append({{"label": label, "elapsed_s": 2.0 if label == "first" else steady_s, "records": records,
                       "extra": {{"mode": "offline", "vllm_ttft_s": [0.25] * len(requests)}}}})
 json.dump({{"system": spec["system"], "pid": os.getpid(), "start_s": 30.0, "import_s": 5.0, "instances": instances,
            "info": {{}}, "torch_threads": int(os.environ["OMP_NUM_THREADS"]),
@@ -199,3 +204,24 @@ def test_runner_env_keeps_this_repository_away_from_vllm(monkeypatch):
     assert runner_env("vllm-cache", 3)["PYTHONPATH"] == "/elsewhere"
     assert runner_env("kvserve-cache", 3)["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)
     assert runner_env("kvserve-cache", 3)["OMP_NUM_THREADS"] == "3"
+
+
+def test_repeat_takes_turns_and_keeps_each_systems_best_round(fake, model_dirs, monkeypatch, tmp_path):
+    python, _, tokens = fake
+    monkeypatch.setenv("FAKE_SEEN", str(tmp_path / "seen.jsonl"))
+    monkeypatch.setenv("FAKE_TOKENS", str(tokens))
+    monkeypatch.setenv("FAKE_ROUNDS", str(tmp_path / "count"))
+    report = bench(model_dirs["llama"], workloads=["shared-system-prompt"], systems=["vllm-nocache", "vllm-cache"],
+                   scale=SCALE, output_len=OUTPUT_LEN, vllm_python=str(python), overhead_seqs=0, progress=False,
+                   repeat=2)
+    seen = [json.loads(line)["spec"]["system"] for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    assert seen == ["vllm-nocache", "vllm-cache", "vllm-nocache", "vllm-cache"]  # turns, not blocks
+    runs = {r["name"]: r for r in report["workloads"]["shared-system-prompt"]["runs"]}
+    # nocache ran 1st and 3rd (slow steady both times), cache 2nd and 4th (fast both times)
+    for name, steady in (("vllm-nocache", 1.0), ("vllm-cache", 0.5)):
+        rounds = runs[name]["rounds"]
+        assert len(rounds) == 2 and rounds[0]["pid"] != rounds[1]["pid"]
+        assert runs[name]["output_tokens_per_s"] == max(r["steady"] for r in rounds)
+    assert runs["vllm-cache"]["output_tokens_per_s"] > 1.5 * runs["vllm-nocache"]["output_tokens_per_s"]
+    md = format_markdown(report)
+    assert "2 rounds, the systems taking turns" in md and "rounds (first / steady)" in md
