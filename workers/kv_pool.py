@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.allocator import huge_empty
+
 
 @dataclass(frozen=True)
 class KVPoolSpec:
@@ -27,7 +29,11 @@ class KVPoolSpec:
 
 
 def allocate_kv_pool(spec: KVPoolSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zero-filled pools (zeros, not garbage: masked attention still multiplies the null block)."""
-    pool = torch.zeros(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                       dtype=spec.dtype, device=device)
+    """Zero-filled pools (zeros, not garbage: masked attention still multiplies the null block); on CPU
+    backed by huge pages where the kernel allows (``workers.allocator``)."""
+    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    if device.type == "cpu":
+        pool = huge_empty(shape, spec.dtype).zero_()
+    else:
+        pool = torch.zeros(shape, dtype=spec.dtype, device=device)
     return [(pool[layer, 0], pool[layer, 1]) for layer in range(spec.num_layers)]

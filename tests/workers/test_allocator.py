@@ -48,3 +48,26 @@ def test_defaults_when_switched_off():
     applied, mapped, kept = probe("0")
     assert applied == "False"
     assert mapped >= 64 << 20  # glibc maps a block this large by default
+
+
+HUGE_PROBE = """
+import torch
+from workers.allocator import huge_empty
+
+def anon_huge_kb():
+    return int(open("/proc/self/smaps_rollup").read().split("AnonHugePages:")[1].split()[0])
+
+before = anon_huge_kb()
+pool = huge_empty((64, 1 << 20), torch.float32).zero_()  # 256 MiB, touched after the advice
+print(anon_huge_kb() - before)
+"""
+
+
+def test_large_arrays_get_huge_pages_where_the_kernel_offers_them():
+    setting = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    out = subprocess.run([sys.executable, "-c", HUGE_PROBE], capture_output=True, text=True, check=True)
+    huge_kb = int(out.stdout.split()[-1])
+    if "[never]" in setting:
+        assert huge_kb == 0
+    else:  # "always" or "madvise": the advised range is backed by 2 MiB pages (all but the unaligned ends)
+        assert huge_kb >= 250 * 1024

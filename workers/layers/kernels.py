@@ -15,12 +15,16 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from workers.allocator import huge_empty
 from workers.layers.embedding import ParallelLMHead
 from workers.layers.linear import ReplicatedLinear, RowParallelLinear, _ColumnShards
 
 
 def _transposed_layout(weight: torch.Tensor) -> torch.Tensor:
-    return weight.t().contiguous().t()
+    """The same matrix, stored as its contiguous transpose (on huge pages where the kernel allows)."""
+    storage = huge_empty((weight.shape[1], weight.shape[0]), weight.dtype)
+    storage.copy_(weight.t())
+    return storage.t()
 
 
 def bind_cpu_kernels(model: nn.Module, layer_ops) -> None:
