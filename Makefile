@@ -42,7 +42,8 @@ bench: install
 VLLM_PYTHON ?=
 bench-vllm: install
 	@test -n "$(VLLM_PYTHON)" || { echo "set VLLM_PYTHON=/path/to/vllm-venv/bin/python"; exit 2; }
-	$(BIN)/kvserve bench --workload all --vllm-python $(VLLM_PYTHON) --out docs/bench
+	$(BIN)/kvserve bench --workload all --systems kvserve-nocache kvserve-cache vllm-nocache vllm-cache \
+		--vllm-python $(VLLM_PYTHON) --vllm-threads 0 --repeat 2 --out docs/bench
 
 # Online: `serve run serve_app:app` (port 8000) and vLLM's OpenAI server (port 8001), one after the other,
 # under vLLM's own serving benchmark client.

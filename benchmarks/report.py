@@ -178,8 +178,9 @@ def format_markdown(report: dict) -> str:
                   + ". Tables show the steady instance unless they say otherwise.", ""]
     vllm = report.get("vllm")
     if vllm:
-        lines += [f"vLLM {vllm.get('version') or DASH} (`{vllm.get('python', DASH)}`): OMP_NUM_THREADS="
-                  f"{vllm.get('threads', DASH)}, block size {vllm.get('block_size', DASH)}, float32, greedy, "
+        threads = vllm.get("threads")
+        threads = "OMP_NUM_THREADS unset (vLLM's own thread choice)" if threads == 0 else f"OMP_NUM_THREADS={threads}"
+        lines += [f"vLLM {vllm.get('version') or DASH} (`{vllm.get('python', DASH)}`): {threads}, block size {vllm.get('block_size', DASH)}, float32, greedy, "
                   f"EOS ignored, the same max_num_seqs, max_num_batched_tokens, max_model_len and KV bytes.", ""]
     for name, section in (report.get("workloads") or {}).items():
         lines += _workload(name, section)
