@@ -221,7 +221,10 @@ def test_bench_online_every_workload_through_serve(served, offline):
         assert [run["name"] for run in section["online"]] == ["kvserve-serve-http-c2", "kvserve-serve-http-r20"]
         for run in section["online"]:
             assert run["num_failed"] == 0, run["errors"]
-            assert run["output_tokens"] == wanted and run["itl_s"]["count"] == wanted - len(workload.requests)
+            assert run["output_tokens"] == wanted
+            # one latency sample per token after each request's first chunk; consecutive steps of a
+            # fast engine may reach a slow reader as one chunk, so the first chunk can hold several
+            assert run["itl_s"]["count"] <= wanted - len(workload.requests)
             assert 0.0 <= run["prefix_cache_hit_rate"] <= 1.0 and run["num_preemptions"] == 0
             assert 0 < run["ttft_s"]["p50"] <= run["e2e_s"]["p99"] <= run["elapsed_s"]
     shared = report["workloads"]["shared-system-prompt"]["online"][0]
