@@ -210,6 +210,28 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
         vf_[j] = vd;
       }
     }
+    // A block of one layer's K (or V) is a few KiB somewhere in the pool: the hardware prefetchers do
+    // not follow a block table, so the next tile's rows are asked for while this one is computed.
+    {
+      const int next = start + kKeyTile;
+      const int nn = std::min(kKeyTile, kv_end - next);
+      int nblock = next / p.block_size, noffset = next % p.block_size;
+      const int64_t bytes = static_cast<int64_t>(d) * sizeof(scalar_t);
+      for (int j = 0; j < nn; ++j) {
+        const int64_t slot = static_cast<int64_t>(table[nblock]) * p.block_stride +
+                             static_cast<int64_t>(noffset) * p.slot_stride + head_offset;
+        if (++noffset == p.block_size) {
+          noffset = 0;
+          ++nblock;
+        }
+        const char* kr = reinterpret_cast<const char*>(p.k_pool + slot);
+        const char* vr = reinterpret_cast<const char*>(p.v_pool + slot);
+        for (int64_t line = 0; line < bytes; line += 64) {
+          __builtin_prefetch(kr + line);
+          __builtin_prefetch(vr + line);
+        }
+      }
+    }
     const bool masked = start + n > min_limit;
     if (by_rows) {
       // s[j * rows_padded + r] = q_r . k_j, 16 rows per vector; 32 rows x 4 keys per pass where
