@@ -82,12 +82,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
-  m.def("linear_split(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> bool");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
-  m.impl("linear_split", &linear_split);
   m.impl("linear", &linear);
 }
 

@@ -88,6 +88,21 @@ struct Scratch {
   }
 };
 
+// Pool offsets of KV head `head_offset`'s rows for the keys [start, start + n), walking the block table.
+template <typename scalar_t>
+inline void tile_slots(const Problem<scalar_t>& p, const int32_t* table, int start, int n, int64_t head_offset,
+                       int64_t* slots) {
+  int block = start / p.block_size, offset = start % p.block_size;
+  for (int j = 0; j < n; ++j) {
+    slots[j] = static_cast<int64_t>(table[block]) * p.block_stride + static_cast<int64_t>(offset) * p.slot_stride +
+               head_offset;
+    if (++offset == p.block_size) {
+      offset = 0;
+      ++block;
+    }
+  }
+}
+
 // acc[r] = alpha[r] * acc[r] + sum_j p(r, j) v_j for rows [0, rows), with p(r, j) = prob[r * sr + j * sj].
 // RB rows at a time keep their accumulators in registers while the value rows stream past.
 template <int DV, int RB>
@@ -186,16 +201,27 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   const float* kf[kKeyTile];
   const float* vf_[kKeyTile];
   const int64_t head_offset = static_cast<int64_t>(kv_head) * d;
+  const int64_t row_bytes = static_cast<int64_t>(d) * sizeof(scalar_t);
+  int64_t slots_a[kKeyTile], slots_b[kKeyTile];
+  int64_t* slots = slots_a;  // this tile's
+  int64_t* next_slots = slots_b;  // the next tile's, found while this one is computed
+  tile_slots(p, table, kv_begin, std::min(kKeyTile, kv_end - kv_begin), head_offset, slots);
   for (int start = kv_begin; start < kv_end; start += kKeyTile) {
     const int n = std::min(kKeyTile, kv_end - start);
-    int block = start / p.block_size, offset = start % p.block_size;
-    for (int j = 0; j < n; ++j) {
-      const int64_t slot = static_cast<int64_t>(table[block]) * p.block_stride +
-                           static_cast<int64_t>(offset) * p.slot_stride + head_offset;
-      if (++offset == p.block_size) {
-        offset = 0;
-        ++block;
+    // A block of one layer's K (or V) is a few KiB somewhere in the pool: the hardware prefetchers do
+    // not follow a block table, so the next tile's rows are asked for while this one is computed.
+    const int next_n = std::min(kKeyTile, kv_end - start - kKeyTile);
+    tile_slots(p, table, start + kKeyTile, next_n, head_offset, next_slots);
+    for (int j = 0; j < next_n; ++j) {
+      const char* kr = reinterpret_cast<const char*>(p.k_pool + next_slots[j]);
+      const char* vr = reinterpret_cast<const char*>(p.v_pool + next_slots[j]);
+      for (int64_t line = 0; line < row_bytes; line += 64) {
+        __builtin_prefetch(kr + line);
+        __builtin_prefetch(vr + line);
       }
+    }
+    for (int j = 0; j < n; ++j) {
+      const int64_t slot = slots[j];
       if constexpr (std::is_same_v<scalar_t, float>) {
         kf[j] = p.k_pool + slot;
         vf_[j] = p.v_pool + slot;
@@ -210,28 +236,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
         vf_[j] = vd;
       }
     }
-    // A block of one layer's K (or V) is a few KiB somewhere in the pool: the hardware prefetchers do
-    // not follow a block table, so the next tile's rows are asked for while this one is computed.
-    {
-      const int next = start + kKeyTile;
-      const int nn = std::min(kKeyTile, kv_end - next);
-      int nblock = next / p.block_size, noffset = next % p.block_size;
-      const int64_t bytes = static_cast<int64_t>(d) * sizeof(scalar_t);
-      for (int j = 0; j < nn; ++j) {
-        const int64_t slot = static_cast<int64_t>(table[nblock]) * p.block_stride +
-                             static_cast<int64_t>(noffset) * p.slot_stride + head_offset;
-        if (++noffset == p.block_size) {
-          noffset = 0;
-          ++nblock;
-        }
-        const char* kr = reinterpret_cast<const char*>(p.k_pool + slot);
-        const char* vr = reinterpret_cast<const char*>(p.v_pool + slot);
-        for (int64_t line = 0; line < bytes; line += 64) {
-          __builtin_prefetch(kr + line);
-          __builtin_prefetch(vr + line);
-        }
-      }
-    }
+    std::swap(slots, next_slots);
     const bool masked = start + n > min_limit;
     if (by_rows) {
       // s[j * rows_padded + r] = q_r . k_j, 16 rows per vector; 32 rows x 4 keys per pass where
@@ -654,23 +659,15 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
 }  // namespace
 
 TORCH_LIBRARY(kvserve_cpu, m) {
-  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, "
       "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, "
       "Tensor group_block_tables, Tensor group_lens, Tensor group_member_start, Tensor group_members, "
       "float scale) -> Tensor");
-  // attention alone into a given output (benchmarks and tests of the kernel itself)
-  m.def(
-      "paged_attention_out_(Tensor(a!) out, Tensor query, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-      "Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, Tensor group_block_tables, Tensor group_lens, "
-      "Tensor group_member_start, Tensor group_members, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
-  m.impl("store_kv", &store_kv);
   m.impl("paged_attention", &paged_attention);
-  m.impl("paged_attention_out_", &paged_attention_out);
 }
 
 }  // namespace kvserve
