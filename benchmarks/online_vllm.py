@@ -21,23 +21,18 @@ import os
 import resource
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from benchmarks import server_process
+from benchmarks.server_process import Server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLIENT = Path(__file__).with_name("vllm_bench_client.py")
-TAG = "KVSERVE_BENCH_ONLINE_TAG"  # in every server process's environment: how its processes are found
 VLLM_BLOCK_SIZE = 32
-LINGER_S = 15.0  # how long a server's other processes may take to exit after it did, before they are killed
 
 # (label, key in the result JSON of vLLM's client)
 METRICS = (
@@ -79,187 +74,6 @@ def add_bench_online_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results/online_vllm.json", help="the JSON report")
 
 
-@dataclass
-class Server:
-    name: str
-    proc: subprocess.Popen
-    url: str
-    tag: str
-    log_path: str
-    launched: float
-    ready_s: float | None = None
-    extra: dict = field(default_factory=dict)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _tail(path: str, lines: int = 40) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _launch(name: str, command: list[str], env: dict[str, str], cwd: str, log_dir: str, port: int) -> Server:
-    if not _port_free(port):
-        raise RuntimeError(f"port {port} is in use: stop whatever listens there, or pick another port for {name}")
-    tag = uuid.uuid4().hex
-    log_path = os.path.join(log_dir, f"{name}.log")
-    log = open(log_path, "w")
-    print(f"[{name}] {shlex.join(command)}  (log: {log_path})", flush=True)
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
-                            env={**env, TAG: tag}, start_new_session=True)
-    log.close()
-    return Server(name, proc, f"http://127.0.0.1:{port}", tag, log_path, time.perf_counter())
-
-
-def _wait_ready(server: Server, served_name: str, timeout_s: float) -> None:
-    """Until GET /v1/models lists the served model (no completion is sent: neither server is warmed)."""
-    deadline = server.launched + timeout_s
-    while time.perf_counter() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {server.proc.returncode} before answering:\n"
-                               + _tail(server.log_path))
-        try:
-            response = httpx.get(f"{server.url}/v1/models", timeout=5)
-            if response.status_code == 200 and any(m.get("id") == served_name
-                                                   for m in response.json().get("data", ())):
-                server.ready_s = time.perf_counter() - server.launched
-                print(f"[{server.name}] answering after {server.ready_s:.1f} s", flush=True)
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"{server.name} did not answer within {timeout_s:.0f} s:\n" + _tail(server.log_path))
-
-
-# --- the processes of a server and their CPU time (Linux /proc) ---------------------------------------
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat fields after the command name (field 3, the state, is index 0)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _all_pids() -> list[int]:
-    return [int(e) for e in os.listdir("/proc") if e.isdigit()] if os.path.isdir("/proc") else []
-
-
-def _tagged_pids(tag: str) -> list[int]:
-    needle = f"{TAG}={tag}".encode()
-    pids = []
-    for pid in _all_pids():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    pids.append(pid)
-        except OSError:
-            continue
-    return pids
-
-
-def _server_pids(server: Server) -> dict[int, str]:
-    """pid -> start time of every process of the server: the launched process, its descendants, and
-    whatever carries the server's tag in its environment (Ray's workers, started by the raylet)."""
-    stats = {pid: st for pid in _all_pids() if (st := _stat(pid)) is not None}
-    children: dict[int, list[int]] = {}
-    for pid, st in stats.items():
-        children.setdefault(int(st[1]), []).append(pid)
-    found, todo = set(), [server.proc.pid, *_tagged_pids(server.tag)]
-    while todo:
-        pid = todo.pop()
-        if pid not in found and pid in stats:
-            found.add(pid)
-            todo.extend(children.get(pid, ()))
-    return {pid: stats[pid][19] for pid in found}
-
-
-def _process_name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return "?"
-    if not args:
-        return "?"
-    if len(args) == 1 and " " in args[0]:  # a process title set as one string (Ray's workers)
-        args = args[0].split()
-    first = os.path.basename(args[0])
-    if first.startswith("python") and len(args) > 1:
-        rest = args[1:]
-        while rest and rest[0].startswith("-") and rest[0] != "-m":
-            rest = rest[1:]  # interpreter options (-u, -I, ...)
-        if rest[:1] == ["-m"] and len(rest) > 1:
-            return rest[1][:60]
-        return " ".join([os.path.basename(rest[0]), *rest[1:2]])[:60] if rest else first
-    return first[:60]
-
-
-def _cpu_seconds(pids) -> dict[int, tuple[str, float]]:
-    ticks = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for pid in pids:
-        fields = _stat(pid)
-        if fields is not None:
-            out[pid] = (_process_name(pid), (int(fields[11]) + int(fields[12])) / ticks)
-    return out
-
-
-def _cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds spent between two samples, summed by process name, largest first."""
-    by_name: dict[str, float] = {}
-    for pid, (name, seconds) in after.items():
-        spent = seconds - (before[pid][1] if pid in before else 0.0)
-        by_name[name] = by_name.get(name, 0.0) + spent
-    return dict(sorted(((k, round(v, 2)) for k, v in by_name.items() if v > 0), key=lambda kv: -kv[1]))
-
-
-def _stop(server: Server, grace_s: float = 60.0) -> list[str]:
-    """SIGTERM, wait, then SIGKILL to its process group; then kill any process of the server that
-    outlived it (a Ray cluster's raylet and workers). Returns what had to be killed."""
-    pids = _server_pids(server)
-    killed = []
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            killed.append(f"{server.name} (pid {server.proc.pid}) after {grace_s:.0f} s")
-            os.killpg(server.proc.pid, signal.SIGKILL)
-            server.proc.wait()
-
-    def alive() -> list[int]:
-        same = [pid for pid, start in pids.items() if (st := _stat(pid)) is not None and st[19] == start
-                and st[0] != "Z"]
-        return sorted(set(same) | set(_tagged_pids(server.tag)))
-
-    deadline = time.monotonic() + LINGER_S
-    while (left := alive()) and time.monotonic() < deadline:
-        time.sleep(1.0)
-    for pid in left:
-        killed.append(f"{_process_name(pid)} (pid {pid})")
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    deadline = time.monotonic() + 10
-    while left and alive() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return killed
-
-
 # --- the two servers ----------------------------------------------------------------------------------
 
 def start_kvserve(args: argparse.Namespace, model: str, log_dir: str) -> Server:
@@ -282,7 +96,7 @@ def start_kvserve(args: argparse.Namespace, model: str, log_dir: str) -> Server:
     ray_tmp = tempfile.mkdtemp(prefix="kvo-", dir="/tmp")  # short: Ray's socket paths live under it
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp, TOKENIZERS_PARALLELISM="false")
-    server = _launch("kvserve", command, env, str(REPO_ROOT), log_dir, args.kvserve_port)
+    server = server_process.launch("kvserve", command, env, str(REPO_ROOT), log_dir, args.kvserve_port)
     server.extra["ray_tmpdir"] = ray_tmp
     return server
 
@@ -297,7 +111,7 @@ def start_vllm(args: argparse.Namespace, model: str, log_dir: str) -> Server:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE")}
     env.update(OMP_NUM_THREADS=str(args.vllm_threads or args.threads), TOKENIZERS_PARALLELISM="false")
     # cwd outside this repository: `python -m` puts the cwd first on sys.path
-    return _launch("vllm", command, env, log_dir, log_dir, args.vllm_port)
+    return server_process.launch("vllm", command, env, log_dir, log_dir, args.vllm_port)
 
 
 def client_command(args: argparse.Namespace, model: str, url: str, result_dir: str, result_file: str) -> list[str]:
@@ -318,21 +132,22 @@ def run_client(args: argparse.Namespace, model: str, server: Server, log_dir: st
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     log_path = os.path.join(log_dir, f"{server.name}-client.log")
     print(f"[{server.name}] client: {shlex.join(command)}  (log: {log_path})", flush=True)
-    pids = _server_pids(server)
-    before = _cpu_seconds(pids)
+    pids = server_process.server_pids(server)
+    before = server_process.cpu_seconds(pids)
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     with open(log_path, "w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=log_dir,
                               env=env, timeout=args.client_timeout)
     wall_s = time.perf_counter() - start
-    after = _cpu_seconds(sorted(set(pids) | set(_server_pids(server))))
+    after = server_process.cpu_seconds(sorted(set(pids) | set(server_process.server_pids(server))))
     children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0 or not os.path.exists(os.path.join(log_dir, result_file)):
-        raise RuntimeError(f"the client against {server.name} exited with {done.returncode}:\n" + _tail(log_path))
+        raise RuntimeError(f"the client against {server.name} exited with {done.returncode}:\n"
+                           + server_process.tail(log_path))
     with open(os.path.join(log_dir, result_file)) as f:
         result = json.load(f)
-    cpu = _cpu_delta(before, after)
+    cpu = server_process.cpu_delta(before, after)
     client_cpu = (children_after.ru_utime + children_after.ru_stime
                   - children_before.ru_utime - children_before.ru_stime)
     return {"result": result, "client_wall_s": wall_s, "server_cpu_s": cpu,
@@ -343,14 +158,14 @@ def _measure(name: str, args: argparse.Namespace, model: str, log_dir: str) -> d
     start = start_kvserve if name == "kvserve" else start_vllm
     server = start(args, model, log_dir)
     try:
-        _wait_ready(server, args.served_model_name, args.startup_timeout)
+        server_process.wait_ready(server, args.served_model_name, args.startup_timeout)
         measured = run_client(args, model, server, log_dir)
     finally:
-        killed = _stop(server)
+        killed = server_process.stop(server)
         if killed:
             print(f"[{name}] killed after SIGTERM: {', '.join(killed)}", flush=True)
-    left = [f"{_process_name(pid)} (pid {pid})" for pid in _tagged_pids(server.tag)
-            if (_stat(pid) or ["Z"])[0] != "Z"]
+    left = [f"{server_process.process_name(pid)} (pid {pid})" for pid in server_process.tagged_pids(server.tag)
+            if (server_process.stat(pid) or ["Z"])[0] != "Z"]
     if not left and "ray_tmpdir" in server.extra:  # the cluster is gone: its session files too
         shutil.rmtree(server.extra["ray_tmpdir"], ignore_errors=True)
     return {**measured, "ready_s": server.ready_s, "killed_after_sigterm": killed, "left_running": left,

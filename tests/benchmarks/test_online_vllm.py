@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from benchmarks import online_vllm
+from benchmarks import online_vllm, server_process
 from benchmarks.online_vllm import add_bench_online_vllm_arguments, bench_online_vllm, format_online_report
 
 FAKE_VLLM = """\
@@ -96,7 +96,7 @@ def test_client_flags(fake_python):
 
 
 def test_fake_vllm_server_started_measured_and_stopped(fake_python, model_dirs, monkeypatch, tmp_path):
-    monkeypatch.setattr(online_vllm, "LINGER_S", 2.0)
+    monkeypatch.setattr(server_process, "LINGER_S", 2.0)
     port = free_port()
     args = parse("--vllm-python", fake_python, "--systems", "vllm", "--vllm-port", str(port), "--num-prompts", "16",
                  "--vllm-threads", "1", "--startup-timeout", "60")
@@ -106,7 +106,7 @@ def test_fake_vllm_server_started_measured_and_stopped(fake_python, model_dirs, 
     assert "--enable-prefix-caching" not in section["result"]["argv"]  # the client's flags, not the server's
     assert any("sleep(600)" in k for k in section["killed_after_sigterm"])  # the left-behind process, killed
     assert section["left_running"] == []
-    assert online_vllm._port_free(port)
+    assert server_process.port_free(port)
     with open(section["log"]) as f:
         assert f.read() == ""  # the fake server prints nothing
     assert report["settings"]["vllm_threads"] == 1 and report["settings"]["vllm_block_size"] == 32
@@ -125,13 +125,13 @@ def test_kvserve_serve_run_started_measured_and_stopped(fake_python, model_dirs,
     section = report["kvserve"]
     assert section["result"]["completed"] == 8
     assert section["left_running"] == []
-    assert online_vllm._port_free(port)
+    assert server_process.port_free(port)
     assert any(name.startswith("ray::") for name in section["server_cpu_s"]), section["server_cpu_s"]
     assert section["server_cpu_s_total"] > 0
     config = json.load(open(os.path.join(report["logs"], "kvserve_serve_config.yaml")))
     assert config["http_options"]["port"] == port
     assert config["applications"][0]["args"]["model"] == model_dirs["llama"]
-    leftovers = [pid for pid in online_vllm._all_pids() if section["ray_tmpdir"].encode() in cmdline(pid)]
+    leftovers = [pid for pid in server_process.all_pids() if section["ray_tmpdir"].encode() in cmdline(pid)]
     assert leftovers == [] and not os.path.exists(section["ray_tmpdir"])  # its session files removed too
 
 
