@@ -44,6 +44,7 @@ import grpc
 from api import kvserve_pb2 as pb
 from api import kvserve_pb2_grpc
 from api.engine_client import EngineClient, aclose_quietly
+from api.limits import check_float, check_int, check_ints
 from engine.core import EngineDeadError, EngineOverloadedError
 from engine.messages import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -61,8 +62,24 @@ def _field(message: Any, name: str, default: Any) -> Any:
     return getattr(message, name) if message.HasField(name) else default
 
 
+def check_ranges(p: pb.SamplingParameters) -> None:
+    """The ranges of ``api.limits`` (as the HTTP API's): ValueError naming the first field outside."""
+    for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"):
+        if name not in ("top_k", "min_tokens") and not p.HasField(name):
+            continue
+        check_int(name, getattr(p, name))
+    check_ints("stop_token_ids", p.stop_token_ids)
+    for name in ("temperature", "top_p", "repetition_penalty"):
+        if p.HasField(name):
+            check_float(name, getattr(p, name))
+    for name in ("min_p", "presence_penalty", "frequency_penalty"):
+        check_float(name, getattr(p, name))
+
+
 def sampling_params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
-    """Unset optional fields take the OpenAI defaults; SamplingParams validates (ValueError)."""
+    """Unset optional fields take the OpenAI defaults; ranges are checked (``check_ranges``), then
+    SamplingParams validates the rest (ValueError)."""
+    check_ranges(p)
     return SamplingParams(
         n=_field(p, "n", 1), temperature=_field(p, "temperature", 1.0), top_p=_field(p, "top_p", 1.0),
         top_k=p.top_k, min_p=p.min_p, seed=_field(p, "seed", None),
@@ -85,6 +102,7 @@ def request_to_engine(req: pb.GenerateRequest, tokenizer: Tokenizer) -> tuple[li
         token_ids = tokenizer.encode(req.text)
     elif kind == "token_ids":
         token_ids = list(req.token_ids.ids)
+        check_ints("token_ids", token_ids)
     else:
         raise ValueError("the request has no prompt: set `text` or `token_ids`")
     if not token_ids:

@@ -163,18 +163,33 @@ def _error_response(error: OpenAIError, headers: dict[str, str] | None = None) -
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _field_path(loc: tuple) -> str:
+    """``("body", "messages", 0, "content", "list[ContentPart]", 0, "text")`` → ``messages.0.content.0.text``:
+    the body prefix and pydantic's union-member tags dropped (fields are lower-case identifiers)."""
+    parts = loc[1:] if loc[:1] == ("body",) else loc
+    return ".".join(str(p) for p in parts if not (isinstance(p, str) and (
+        "[" in p or p in _UNION_TAGS or p[:1].isupper())))
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    """One sentence for the client: the first error that says more than "wrong type" (a union's
+    members each report one), naming its field, and how many other fields are invalid."""
     errors = exc.errors()
     malformed = next((e for e in errors if e["type"] == "json_invalid"), None)
     if malformed is not None:
         return OpenAIError.bad_request(f"malformed JSON in the request body: {malformed.get('ctx', {}).get('error')}")
-    messages, fields = [], []
-    for error in errors:
-        loc = error["loc"][1:] if error["loc"][:1] == ("body",) else error["loc"]
-        field = ".".join(map(str, loc))
-        fields.append(field.split(".")[0] or None)
-        if not field and isinstance(error.get("input"), bytes):
-            messages.append("the request body must be a JSON object (Content-Type: application/json)")
-        else:
-            messages.append(f"{field}: {error['msg']}" if field else error["msg"])
-    return OpenAIError.bad_request("; ".join(messages), fields[0] if fields else None)
+    if not errors:
+        return OpenAIError.bad_request("the request body is invalid")
+    error = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+    field = _field_path(error["loc"])
+    if not field and isinstance(error.get("input"), bytes):
+        return OpenAIError.bad_request("the request body must be a JSON object (Content-Type: application/json)")
+    message = f"{field}: {error['msg']}" if field else error["msg"]
+    top = field.split(".")[0] or None
+    others = {_field_path(e["loc"]).split(".")[0] for e in errors} - {top, ""}
+    if others:
+        message += f" (and {len(others)} other invalid field{'s' if len(others) > 1 else ''})"
+    return OpenAIError.bad_request(message, top)

@@ -3,19 +3,44 @@ vLLM's /tokenize and /detokenize bodies, the error body, and the mapping to ``Sa
 
 Unknown fields are ignored, as OpenAI does. Features the engine lacks are refused by validation
 (HTTP 400 naming the field): ``logit_bias``, ``suffix``, ``best_of`` other than ``n``, ``echo`` with
-``logprobs`` (no prompt logprobs), tools, and response formats other than text. Range checks of the
-sampling values live in ``SamplingParams``: its ValueError becomes a 400 with its message.
+``logprobs`` (no prompt logprobs), tools, and response formats other than text. Every numeric field
+is checked against the ranges of ``api.limits`` (integers that fit the engine's types, finite floats
+in the sampler's ranges), every text field for lone surrogates (UTF-8 cannot carry them), and prompt
+token ids for the int32 range; the engine checks the rest (its caps, the vocabulary, the length), and
+its ValueError becomes a 400 with its message.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
+                      ValidatorFunctionWrapHandler, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from api.limits import FLOAT_RANGES, INT_RANGES, TEXT_ERROR, valid_text
+from engine.sampling_params import SamplingParams
+
+
+def _checked_text(value: str) -> str:
+    if not valid_text(value):
+        raise PydanticCustomError("invalid_text", TEXT_ERROR)
+    return value
+
+
+def _int_range(name: str) -> Any:
+    low, high = INT_RANGES[name]
+    return Field(ge=low, le=high)
+
+
+def _float_range(name: str) -> Any:
+    low, high, low_open = FLOAT_RANGES[name]
+    return Field(gt=low, le=high, allow_inf_nan=False) if low_open else Field(ge=low, le=high, allow_inf_nan=False)
+
+
+Text = Annotated[str, AfterValidator(_checked_text)]  # a str that UTF-8 can encode
+Int = {name: Annotated[int, _int_range(name)] for name in INT_RANGES}
+Float = {name: Annotated[float, _float_range(name)] for name in FLOAT_RANGES}
 
 
 class OpenAIBaseModel(BaseModel):
@@ -33,28 +58,35 @@ class StreamOptions(OpenAIBaseModel):
 class _SamplingRequest(OpenAIBaseModel):
     """The fields both APIs share: OpenAI's sampling fields and vLLM's extras."""
 
-    model: str | None = None  # None: the served model
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    model: Text | None = None  # None: the served model
+    n: Int["n"] = 1
+    temperature: Float["temperature"] | None = None
+    top_p: Float["top_p"] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: Int["seed"] | None = None
+    presence_penalty: Float["presence_penalty"] | None = None
+    frequency_penalty: Float["frequency_penalty"] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: Int["top_k"] | None = None
+    min_p: Float["min_p"] | None = None
+    repetition_penalty: Float["repetition_penalty"] | None = None
+    min_tokens: Int["min_tokens"] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int["stop_token_ids"]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_text(cls, value: str | list[str] | None) -> str | list[str] | None:
+        for text in [value] if isinstance(value, str) else value or ():
+            _checked_text(text)
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -90,10 +122,10 @@ class CompletionRequest(_SamplingRequest):
     ``echo`` is supported without ``logprobs``: the prompt's text leads each choice's text."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Int["max_tokens"] | None = 16
+    logprobs: Int["logprobs"] | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int["best_of"] | None = None
     return_token_ids: bool = False  # vLLM extra: each choice (and stream chunk) carries its token ids
     suffix: str | None = None
 
@@ -101,10 +133,22 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _prompt_forms(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         try:
-            return handler(value)
+            prompt = handler(value)
         except ValidationError:  # one message instead of one per member of the union
             raise PydanticCustomError("prompt_type", "prompt must be a string, a list of strings, a list "
                                                      "of token ids or a list of lists of token ids") from None
+        low, high = INT_RANGES["token_ids"]
+        for item in [prompt] if isinstance(prompt, str) else prompt:
+            if isinstance(item, str):
+                if not valid_text(item):
+                    raise PydanticCustomError("invalid_text", TEXT_ERROR)
+                continue
+            for token_id in [item] if isinstance(item, int) else item:
+                if not low <= token_id <= high:
+                    raise PydanticCustomError(
+                        "token_id_range", "token ids must be integers in [{low}, {high}], got {token_id}",
+                        {"low": low, "high": high, "token_id": token_id})
+        return prompt
 
     @field_validator("suffix")
     @classmethod
@@ -132,18 +176,20 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(OpenAIBaseModel):
-    type: str
-    text: str = ""
+    type: Text
+    text: Text = ""
 
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: Text | None = None
 
     @field_validator("content")
     @classmethod
     def _text_only(cls, value: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        if isinstance(value, str):
+            _checked_text(value)
         for part in value if isinstance(value, list) else ():
             if part.type != "text":
                 raise _unsupported(f"content of type {part.type!r}")
@@ -164,10 +210,10 @@ class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions. The conversation is rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # wins over the deprecated max_tokens
+    max_tokens: Int["max_tokens"] | None = None
+    max_completion_tokens: Int["max_completion_tokens"] | None = None  # wins over the deprecated max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int["top_logprobs"] | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
@@ -209,8 +255,8 @@ class TokenizeRequest(OpenAIBaseModel):
     """POST /tokenize: a ``prompt``, or ``messages`` rendered with the chat template. Special tokens
     are added by default to a prompt, not to messages (the template writes its own)."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
@@ -223,7 +269,7 @@ class TokenizeRequest(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 

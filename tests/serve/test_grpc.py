@@ -173,21 +173,45 @@ def test_logprobs_and_stop_token_id_as_offline(server, offline, model_dir):
         assert got.top[0].token_id == token_id  # greedy picks the most likely token
 
 
+UINT32_MAX, INT32_MAX = 2**32 - 1, 2**31 - 1
+OUT_OF_RANGE = {  # field values the proto types admit and the API refuses (api/limits.py)
+    "n": (dict(n=UINT32_MAX), f"n must be an integer in [1, {INT32_MAX}], got {UINT32_MAX}"),
+    "max_tokens": (dict(max_tokens=UINT32_MAX), f"max_tokens must be an integer in [1, {INT32_MAX}], got {UINT32_MAX}"),
+    "min_tokens": (dict(min_tokens=2**31), f"min_tokens must be an integer in [0, {INT32_MAX}], got {2**31}"),
+    "top_k": (dict(top_k=-2), f"top_k must be an integer in [-1, {INT32_MAX}], got -2"),
+    "logprobs": (dict(logprobs=21), "logprobs must be an integer in [0, 20], got 21"),
+    "stop_token_ids": (dict(stop_token_ids=[3, UINT32_MAX]),
+                       f"stop_token_ids must hold integers in [0, {INT32_MAX}], got {UINT32_MAX}"),
+    "temperature_nan": (dict(temperature=float("nan")), "temperature must be a finite number in [0, 100], got nan"),
+    "temperature_huge": (dict(temperature=1e300), "temperature must be a finite number in [0, 100], got 1e+300"),
+    "top_p": (dict(top_p=2.0), "top_p must be a finite number in (0, 1], got 2.0"),
+    "min_p_nan": (dict(min_p=float("nan")), "min_p must be a finite number in [0, 1], got nan"),
+    "repetition_penalty_inf": (dict(repetition_penalty=float("inf")),
+                               "repetition_penalty must be a finite number in (0, 100], got inf"),
+    "presence_penalty": (dict(presence_penalty=-3.0), "presence_penalty must be a finite number in [-2, 2], got -3.0"),
+    "frequency_penalty": (dict(frequency_penalty=float("-inf")),
+                          "frequency_penalty must be a finite number in [-2, 2], got -inf"),
+}
+
+
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
-@pytest.mark.parametrize("case", ["top_p", "too_long", "no_prompt", "bad_token"])
+@pytest.mark.parametrize("case", ["too_long", "no_prompt", "bad_token", "token_id_range", *OUT_OF_RANGE])
 def test_bad_requests_are_invalid_argument(server, method, case):
     max_model_len = server.engine.core.config.max_model_len
-    bad, words = {
-        "top_p": (request("Hello", top_p=2.0), "top_p must be in (0, 1], got 2.0"),
+    cases = {
         "too_long": (request([5] * (max_model_len + 1)), f"more than max_model_len={max_model_len}"),
         "no_prompt": (pb.GenerateRequest(), "no prompt"),
         "bad_token": (request([5, 10**6]), "prompt token ids must be in"),
-    }[case]
+        "token_id_range": (request([5, UINT32_MAX]), f"token_ids must hold integers in [0, {INT32_MAX}], got {UINT32_MAX}"),
+    }
+    cases.update({name: (request("Hello", **params), words) for name, (params, words) in OUT_OF_RANGE.items()})
+    bad, words = cases[case]
     with pytest.raises(grpc.RpcError) as info:
         call = getattr(server.stub, method)(bad, timeout=TIMEOUT_S)
         list(call) if method == "GenerateStream" else call
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert words in info.value.details()
+    assert (words in info.value.details()) if case in ("too_long", "no_prompt", "bad_token") \
+        else info.value.details() == words
     wait_until_clean(server.engine)
 
 

@@ -30,7 +30,7 @@ from tests.serve.openai_harness import (API_KEY, GREEDY, METRICS, MODEL, app, as
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "x", "temperature": -1}, None),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
@@ -52,6 +52,85 @@ from tests.serve.openai_harness import (API_KEY, GREEDY, METRICS, MODEL, app, as
 def test_bad_requests_get_400_with_an_openai_error_body(http, run, path, body, param):
     error = assert_error(run(http.post(path, json=body)), 400, param)
     assert error["type"] == "invalid_request_error"
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "top_k": 2**63},
+     "top_k", f"top_k: Input should be less than or equal to {INT32_MAX}"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k", "top_k: Input should be greater than or equal to -1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2**64}, "max_tokens",
+     f"max_tokens: Input should be less than or equal to {INT32_MAX}"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n", "n: Input should be greater than or equal to 1"),
+    ("/v1/completions", {"prompt": "x", "n": 2**40}, "n", f"n: Input should be less than or equal to {INT32_MAX}"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**63}, "seed",
+     f"seed: Input should be less than or equal to {INT64_MAX}"),
+    ("/v1/completions", {"prompt": "x", "seed": -(2**63) - 1}, "seed",
+     f"seed: Input should be greater than or equal to {-(2**63)}"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens",
+     "min_tokens: Input should be greater than or equal to 0"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs",
+     "logprobs: Input should be greater than or equal to 0"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [2, 2**64]}, "stop_token_ids",
+     f"stop_token_ids.1: Input should be less than or equal to {INT32_MAX}"),
+    ("/v1/completions", {"prompt": [1, 2**64]}, "prompt",
+     f"prompt: token ids must be integers in [0, {INT32_MAX}], got {2**64}"),
+    ("/v1/completions", {"prompt": [[1, 2], [-1]]}, "prompt",
+     f"prompt: token ids must be integers in [0, {INT32_MAX}], got -1"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", "top_p: Input should be greater than 0"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p", "min_p: Input should be less than or equal to 1"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e300}, "temperature",
+     "temperature: Input should be less than or equal to 100"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty",
+     "presence_penalty: Input should be less than or equal to 2"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty",
+     "frequency_penalty: Input should be greater than or equal to -2"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty",
+     "repetition_penalty: Input should be greater than 0"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 2**63}, "max_completion_tokens",
+     f"max_completion_tokens: Input should be less than or equal to {INT32_MAX}"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2**70}, "top_logprobs",
+     "top_logprobs: Input should be less than or equal to 20"),
+    ("/v1/chat/completions", {**CHAT, "top_k": 2**63}, "top_k",
+     f"top_k: Input should be less than or equal to {INT32_MAX}"),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 1e9}, "repetition_penalty",
+     "repetition_penalty: Input should be less than or equal to 100"),
+])
+def test_numbers_out_of_range_get_400_naming_the_field(http, run, path, body, param, message):
+    error = assert_error(run(http.post(path, json=body)), 400, param)
+    assert (error["message"], error["type"], error["code"]) == (message, "invalid_request_error", 400)
+
+
+@pytest.mark.parametrize("field, literal", [("temperature", "NaN"), ("top_p", "NaN"), ("temperature", "Infinity"),
+                                            ("repetition_penalty", "Infinity"), ("min_p", "-Infinity"),
+                                            ("presence_penalty", "NaN"), ("frequency_penalty", "Infinity")])
+def test_nan_and_infinity_get_400(http, run, field, literal):
+    """Python's JSON reader takes NaN and Infinity literals; no float field lets them through."""
+    for path, body in (("/v1/completions", '{"prompt": "x", "%s": %s}'),
+                       ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "%s": %s}')):
+        response = run(http.post(path, content=(body % (field, literal)).encode(),
+                                 headers={"Content-Type": "application/json"}))
+        assert assert_error(response, 400, field)["message"] == f"{field}: Input should be a finite number"
+
+
+def test_an_out_of_range_top_k_fails_alone_beside_a_good_request(client, http, offline, llm, run):
+    """The request of the report: refused at the API, while a good one beside it completes exactly."""
+    expected = reference(offline, "The sky at sunset is", temperature=0.0, max_tokens=12, ignore_eos=True).text
+
+    async def main():
+        good = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="The sky at sunset is",
+                                                               max_tokens=12, **GREEDY))
+        await asyncio.sleep(0.05)  # running when the bad one arrives
+        bad = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "top_k": 2**63})
+        return bad, await good
+
+    bad, good = run(main())
+    assert_error(bad, 400, "top_k")
+    assert (good.choices[0].text, good.choices[0].finish_reason) == (expected, "length")
+    run(until_clean(llm))
 
 
 def test_malformed_json_and_too_long_prompts_get_400(http, run):
