@@ -95,6 +95,9 @@ class EngineCore:
     def check_sampling_params(self, params: SamplingParams) -> None:
         """Raise ValueError for what SamplingParams cannot check alone: token ids outside the vocab
         (a stop token id past the vocab would crash the sampler's min_tokens mask mid-step)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
         vocab_size = self.config.model.vocab_size
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")

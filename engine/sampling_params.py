@@ -3,11 +3,32 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 from enum import Enum
 
 MAX_LOGPROBS = 20
 _GREEDY_TEMPERATURE = 1e-5
+# what the workers hold these values in: int32 counts and token ids, an int64 seed, float32 numbers
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_list(values) -> list[int]:
+    if isinstance(values, (str, bytes)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                    for t in (values or [])):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {values!r}")
+    return [int(t) for t in (values or [])]
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class RequestOutputKind(Enum):
@@ -47,42 +68,56 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.stop_token_ids = _int_list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
         if self.temperature < _GREEDY_TEMPERATURE:
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
 
+    def validate(self) -> None:
+        """Check every field again (the engine does, on admission: the object is mutable)."""
+        self._validate()
+
     def _validate(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)
 
-        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        check(math.isfinite(self.temperature) and self.temperature >= 0,
-              f"temperature must be >= 0, got {self.temperature}")
-        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0,
-              f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
-        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-              f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        def check_int(name: str, low: int, high: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            check(_is_int(value) and low <= value <= high,
+                  f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+        def check_float(name: str, low: float, high: float, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            ok = _is_number(value) and (low < value if low_open else low <= value) and value <= high
+            check(ok, f"{name} must be a finite number in {'(' if low_open else '['}{low:g}, {high:g}], "
+                      f"got {value!r}")
+
+        check_int("n", 1, INT32_MAX)
+        check_float("temperature", 0.0, MAX_TEMPERATURE)
+        check_float("top_p", 0.0, 1.0, low_open=True)
+        check(_is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
+              f"top_k must be -1 or 0 (disabled) or an integer in [1, {INT32_MAX}], got {self.top_k!r}")
+        check_float("min_p", 0.0, 1.0)
+        check_int("seed", INT64_MIN, INT64_MAX, optional=True)
+        check_int("max_tokens", 1, INT32_MAX, optional=True)
+        check_int("min_tokens", 0, INT32_MAX)
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        check(-2.0 <= self.presence_penalty <= 2.0,
-              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2.0 <= self.frequency_penalty <= 2.0,
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check_int("logprobs", 0, MAX_LOGPROBS, optional=True)
+        check_float("presence_penalty", -2.0, 2.0)
+        check_float("frequency_penalty", -2.0, 2.0)
+        check_float("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, low_open=True)
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids")
+        check(all(0 <= t <= INT32_MAX for t in self.stop_token_ids),
+              f"stop_token_ids must hold token ids in [0, {INT32_MAX}]")
 
     @property
     def is_greedy(self) -> bool:
@@ -95,5 +130,6 @@ class SamplingParams:
 
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of the ``index``-th of ``n`` samples: n = 1, and a distinct seed when seeded."""
-        seed = None if self.seed is None else self.seed + index
+        # the children's seeds stay in int64, wrapping around at the top
+        seed = None if self.seed is None else (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN
         return replace(self, n=1, seed=seed)

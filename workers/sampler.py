@@ -133,7 +133,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=logits.device)[:, None]
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=logits.device)[:, None]
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     if any(p < 1.0 for p in top_p):
         probs = sorted_logits.softmax(dim=-1)

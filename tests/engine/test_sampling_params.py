@@ -78,3 +78,63 @@ def test_for_child_gives_distinct_seeds_and_n_one():
     assert params.n == 4 and params.seed == 123  # the parent is untouched
     unseeded = SamplingParams(n=3)
     assert [unseeded.for_child(i).seed for i in range(3)] == [None, None, None]
+
+
+OUT_OF_RANGE = [
+    (dict(top_k=9223372036854775808), "top_k"),
+    (dict(top_k=2**31), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=1.5), "top_k"),
+    (dict(n=2**31), "n must"),
+    (dict(n=True), "n must"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"),
+    (dict(seed="7"), "seed"),
+    (dict(max_tokens=2**31), "max_tokens"),
+    (dict(min_tokens=2**31, max_tokens=None), "min_tokens"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(stop_token_ids=[2**31]), "stop_token_ids"),
+    (dict(stop_token_ids=["3"]), "stop_token_ids"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids"),
+    (dict(stop=5), "stop"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=1e300), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(min_p=float("nan")), "min_p"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(frequency_penalty=float("inf")), "frequency_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(repetition_penalty=1e39), "repetition_penalty"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", OUT_OF_RANGE, ids=[repr(k) for k, _ in OUT_OF_RANGE])
+def test_values_the_workers_cannot_hold_raise_one_clean_sentence(kwargs, field):
+    with pytest.raises(ValueError, match=field) as info:
+        SamplingParams(**kwargs)
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 200
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(top_k=2**31 - 1), dict(seed=2**63 - 1), dict(seed=-(2**63)), dict(n=2**31 - 1),
+    dict(max_tokens=2**31 - 1), dict(temperature=100.0), dict(repetition_penalty=100.0),
+    dict(stop_token_ids=[2**31 - 1]),
+])
+def test_the_edges_of_the_worker_types_are_accepted(kwargs):
+    params = SamplingParams(**kwargs)
+    for key, value in kwargs.items():
+        assert getattr(params, key) == value
+
+
+def test_children_of_the_largest_seed_keep_int64_seeds():
+    params = SamplingParams(n=3, seed=2**63 - 1)
+    assert [params.for_child(i).seed for i in range(3)] == [2**63 - 1, -(2**63), -(2**63) + 1]
+
+
+def test_validate_catches_fields_changed_after_construction():
+    params = SamplingParams()
+    params.top_k = 2**63
+    with pytest.raises(ValueError, match="top_k"):
+        params.validate()
