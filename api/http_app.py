@@ -170,8 +170,9 @@ def _field_path(loc: tuple) -> str:
     """``("body", "messages", 0, "content", "list[ContentPart]", 0, "text")`` → ``messages.0.content.0.text``:
     the body prefix and pydantic's union-member tags dropped (fields are lower-case identifiers)."""
     parts = loc[1:] if loc[:1] == ("body",) else loc
-    return ".".join(str(p) for p in parts if not (isinstance(p, str) and (
+    path = ".".join(str(p) for p in parts if not (isinstance(p, str) and (
         "[" in p or p in _UNION_TAGS or p[:1].isupper())))
+    return path.encode("utf-8", "backslashreplace").decode("utf-8")  # a client's dict key may be any text
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:

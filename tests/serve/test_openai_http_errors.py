@@ -133,6 +133,43 @@ def test_an_out_of_range_top_k_fails_alone_beside_a_good_request(client, http, o
     run(until_clean(llm))
 
 
+LONE = "\\ud800"  # as the JSON text carries it: a lone surrogate once parsed
+TEXT_ERROR = "must be valid Unicode text: it holds a lone surrogate code point, which UTF-8 cannot encode"
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", '{"prompt": "a%sb"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["fine", "%s"]}', "prompt"),
+    ("/v1/completions", '{"prompt": "x", "stop": ["%s"]}', "stop"),
+    ("/v1/completions", '{"prompt": "x", "stop": "%s"}', "stop"),
+    ("/v1/completions", '{"prompt": "x", "model": "%s"}', "model"),
+    ("/v1/completions", '{"prompt": "x", "cache_salt": "%s"}', "cache_salt"),
+    ("/v1/completions", '{"prompt": "x", "user": "%s"}', "user"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "%s"}]}', "messages.0.content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x", "name": "%s"}]}', "messages.0.name"),
+    ("/tokenize", '{"prompt": "%s"}', "prompt"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "%s"}]}', "messages.0.content"),
+])
+def test_lone_surrogates_get_400_naming_the_field(http, run, path, body, field):
+    response = run(http.post(path, content=(body % LONE).encode(), headers={"Content-Type": "application/json"}))
+    error = assert_error(response, 400, field.split(".")[0])
+    assert error["message"] == f"{field}: {TEXT_ERROR}"
+
+
+def test_a_lone_surrogate_in_a_field_name_or_role_gets_400(http, run):
+    """Where the client's text ends up in the message (a dict key) it is made valid UTF-8; a bad role is refused."""
+    raw = {"Content-Type": "application/json"}
+    bias = run(http.post("/v1/completions", content=('{"prompt": "x", "logit_bias": {"%s": "a"}}' % LONE).encode(),
+                         headers=raw))
+    key, _, message = assert_error(bias, 400, "logit_bias")["message"].partition(": ")
+    assert key.startswith("logit_bias.") and message == "Input should be a valid number, unable to parse string as a number"
+    role = run(http.post("/v1/chat/completions", headers=raw,
+                         content=('{"messages": [{"role": "%s", "content": "x"}]}' % LONE).encode()))
+    assert assert_error(role, 400, "messages")["message"].startswith("messages.0.role: ")
+
+
 def test_malformed_json_and_too_long_prompts_get_400(http, run):
     malformed = run(http.post("/v1/completions", content=b'{"prompt": "x",',
                               headers={"Content-Type": "application/json"}))
