@@ -114,14 +114,23 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
         """Record a now-full block under its hash. A block already cached keeps its entry; when another
         block holds the same hash already, this one stays out of the map (a duplicate, evicted first
         come, first served)."""
         if block.block_hash is not None or block.is_null:
-            return
+            return False
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached.setdefault(block_hash, block)
+        return True
+
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash (its KV was never written: the step that was to write it failed)."""
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = block.token_ids = None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` from the head of the free queue (evicting their cached contents)."""

@@ -167,6 +167,10 @@ class EngineCore:
         except WorkerFailedError as exc:
             self._recover(exc)
             return []
+        except BaseException:
+            # nothing of the step is kept: not its tokens, not the prefix-cache entries it planned
+            self.scheduler.rollback(scheduler_output)
+            raise
         execute_wall = time.perf_counter() - execute_start
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         request_outputs, stopped = self.outputs.process(core_outputs)

@@ -16,6 +16,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of a table already in the map
+        # blocks this step's plan entered into the prefix cache: their KV exists once the step has run
+        self._step_cached: list[KVCacheBlock] = []
 
     @property
     def usage(self) -> float:
@@ -82,8 +84,27 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = num_tokens // self.block_size
         for i in range(start, end):
-            self.block_pool.cache_block(table[i], request.block_hashes[i], request.block_token_ids(i))
+            if self.block_pool.cache_block(table[i], request.block_hashes[i], request.block_token_ids(i)):
+                self._step_cached.append(table[i])
         self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def begin_step(self) -> None:
+        """A new step is being planned: the blocks the last one cached are computed now."""
+        self._step_cached.clear()
+
+    def rollback_step(self) -> None:
+        """The step being planned did not run: forget every block it entered into the prefix cache
+        (their KV was never written), so no later request can hit them."""
+        for block in self._step_cached:
+            self.block_pool.uncache_block(block)
+        self._step_cached.clear()
+
+    def uncompute(self, request: Request) -> None:
+        """``request`` computed fewer tokens than planned: re-enter the blocks past its computed ones
+        into the prefix cache when it computes them again."""
+        if request.request_id in self._num_cached_blocks:
+            self._num_cached_blocks[request.request_id] = min(
+                self._num_cached_blocks[request.request_id], request.num_computed_tokens // self.block_size)
 
     def free(self, request: Request) -> None:
         """Release every block of ``request``, tail first (its tail is then the first evicted)."""

@@ -47,6 +47,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._dropped_ids: set[str] = set()  # finished or preempted since the last step
+        self._step_started: list[Request] = []  # requests the step being planned took from the queue
 
     # --- requests in and out -------------------------------------------------------------------
 
@@ -80,7 +81,10 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, only: str | None = None) -> SchedulerOutput:
+        """Plan one step. ``only``: plan that request alone (nothing else runs in the step)."""
+        self.kv.begin_step()
+        self._step_started = []
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[Request] = []
@@ -90,6 +94,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if only is not None and request.request_id != only:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget,
                           self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
@@ -102,7 +109,13 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if self.stats.num_preemptions == num_preemptions_before:
+        if only is not None and only not in num_scheduled:
+            request = self.requests.get(only)
+            if request is not None and request.status != RequestStatus.RUNNING:
+                self.waiting.remove(request)  # to the head of the queue, to be planned alone
+                self.waiting.appendleft(request)
+                budget = self._schedule_waiting(budget, num_scheduled, new_reqs, only)
+        elif only is None and self.stats.num_preemptions == num_preemptions_before:
             budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
 
         output = SchedulerOutput(
@@ -146,11 +159,14 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[Request]) -> int:
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[Request],
+                          only: str | None = None) -> int:
         blocked: list[Request] = []  # n > 1 siblings whose shared prompt is not computed yet
         now = time.time()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if only is not None and request.request_id != only:
+                break
             source = request.fork_source
             if source is not None and source.is_finished:
                 source = request.fork_source = None
@@ -177,6 +193,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             self.running.append(request)
+            self._step_started.append(request)
             new_reqs.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -224,6 +241,32 @@ class Scheduler:
             self._preempt(self.running.pop(), counted=False)
         self.kv.reset_prefix_cache()
         self._dropped_ids = set()  # the new ranks hold nothing to drop
+
+    def rollback(self, scheduler_output: SchedulerOutput) -> None:
+        """The step planned as ``scheduler_output`` did not run (it raised, or was interrupted): undo
+        it. Blocks it entered into the prefix cache leave it (their KV was never written); requests
+        it started go back to the head of the queue, the others back to the tokens they had computed;
+        every request of the step is sent to the ranks in full next time, whatever state the failure
+        left there. Nothing was appended, so the requests produce the tokens they would have."""
+        self.kv.rollback_step()
+        for request_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.num_computed_tokens -= n
+        started = [r for r in self._step_started if r.status == RequestStatus.RUNNING]
+        if started:
+            ids = {r.request_id for r in started}
+            self.running = [r for r in self.running if r.request_id not in ids]
+            for request in reversed(started):
+                self._preempt(request, counted=False)
+        self._step_started = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.kv.uncompute(request)
+                request.num_tokens_sent = request.num_blocks_sent = 0
+                self._dropped_ids.add(request_id)
+        self._dropped_ids |= scheduler_output.finished_req_ids
 
     # --- after the step ---------------------------------------------------------------------------
 

@@ -19,15 +19,27 @@ def make_request(request_id: str, prompt: list[int], *, max_tokens: int = 8, blo
                    max_tokens=max_tokens, cache_salt=cache_salt, fork_source=fork_source)
 
 
-class FakeRunner:
-    """Holds per-request token ids and block ids exactly as a worker would."""
+class StepFault(RuntimeError):
+    """The failure a FakeRunner was told to raise."""
 
-    def __init__(self) -> None:
+
+class FakeRunner:
+    """Holds per-request token ids and block ids exactly as a worker would. With ``block_size`` it
+    also keeps the 'KV' it writes: block id -> {slot: token id}, each step's tokens stored before
+    anything is sampled."""
+
+    def __init__(self, block_size: int | None = None) -> None:
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.block_size = block_size
+        self.kv: dict[int, dict[int, int]] = {}
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, fail: str | None = None) -> ModelRunnerOutput:
+        """``fail``: raise StepFault "before" the step reaches the ranks, "after_update" (the diffs
+        applied, nothing computed) or "after_forward" (the KV written, nothing sampled)."""
+        if fail == "before":
+            raise StepFault("the step failed before it reached the ranks")
         for req_id in so.finished_req_ids:
             self.tokens.pop(req_id, None)
             self.blocks.pop(req_id, None)
@@ -42,6 +54,16 @@ class FakeRunner:
             self.tokens[diff.req_id].extend(diff.new_token_ids)
             self.blocks[diff.req_id].extend(diff.new_block_ids)
             self.computed[diff.req_id] = diff.num_computed_tokens
+        if fail == "after_update":
+            raise StepFault("the step failed after the diffs were applied")
+        if self.block_size is not None:
+            bs = self.block_size
+            for req_id, n in so.num_scheduled_tokens.items():
+                start = self.computed[req_id]
+                for pos in range(start, start + n):
+                    self.kv.setdefault(self.blocks[req_id][pos // bs], {})[pos % bs] = self.tokens[req_id][pos]
+        if fail == "after_forward":
+            raise StepFault("the step failed after the forward pass")
         req_ids, sampled = [], []
         for req_id, n in so.num_scheduled_tokens.items():
             self.computed[req_id] += n

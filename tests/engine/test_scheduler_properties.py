@@ -9,9 +9,11 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import pytest
+
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler
-from tests.engine.fakes import FakeRunner, make_request
+from tests.engine.fakes import FakeRunner, StepFault, make_request
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 40
@@ -26,7 +28,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched = Scheduler(num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=caching,
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                max_model_len=MAX_MODEL_LEN)
-        self.runner = FakeRunner()
+        self.runner = FakeRunner(BLOCK_SIZE)
         self.next_id = 0
         self.budget = budget
 
@@ -54,6 +56,34 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.runner.execute_model(so)
         self.sched.update_from_output(so, out)
 
+    @rule(where=st.sampled_from(["before", "after_update", "after_forward"]))
+    def failed_step(self, where):
+        """A step raises: the scheduler rolls it back as if it had never been planned."""
+        so = self.sched.schedule()
+        if so.is_empty:
+            return
+        with pytest.raises(StepFault):
+            self.runner.execute_model(so, fail=where)
+        self.sched.rollback(so)
+
+    @precondition(lambda self: self.sched.requests)
+    @rule(data=st.data(), fail=st.booleans())
+    def step_alone(self, data, fail):
+        """A step planned for one request only (how a failed step's culprit is found)."""
+        request_id = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        running_before = {r.request_id for r in self.sched.running}
+        so = self.sched.schedule(only=request_id)
+        assert set(so.num_scheduled_tokens) <= {request_id}
+        assert {r.request_id for r in self.sched.running} <= running_before | {request_id}
+        if so.is_empty:
+            return
+        if fail:
+            with pytest.raises(StepFault):
+                self.runner.execute_model(so, fail="after_forward")
+            self.sched.rollback(so)
+        else:
+            self.sched.update_from_output(so, self.runner.execute_model(so))
+
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())
     def abort(self, data):
@@ -79,6 +109,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert (block.ref_cnt == 0) == (block.block_id in set(in_queue)), block
         for block_hash, block in pool.cached.items():
             assert block.block_hash == block_hash and block.token_ids is not None
+            # a cached block holds the KV of its tokens: the step that was to write it has run
+            written = self.runner.kv.get(block.block_id, {})
+            assert tuple(written.get(i) for i in range(BLOCK_SIZE)) == block.token_ids, block
         assert set(kv.req_to_blocks) <= set(self.sched.requests)
 
     @invariant()
