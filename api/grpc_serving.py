@@ -43,7 +43,7 @@ import grpc
 
 from api import kvserve_pb2 as pb
 from api import kvserve_pb2_grpc
-from api.engine_client import EngineClient, aclose_quietly
+from api.engine_client import EngineClient, aclose_quietly, clean_message, root_cause
 from api.limits import check_float, check_int, check_ints
 from engine.core import EngineDeadError, EngineOverloadedError
 from engine.messages import CompletionOutput, RequestOutput
@@ -188,20 +188,16 @@ async def _responses(req: pb.GenerateRequest, client: EngineClient, tokenizer: T
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and details for an exception. An exception re-raised by Ray (RayTaskError is an
-    instance of its cause's class) is reported with its cause's message, not Ray's traceback."""
-    cause = exc
-    for _ in range(8):  # unwrap RayTaskError(...) chains, boundedly
-        inner = getattr(cause, "cause", None)
-        if not isinstance(inner, BaseException) or inner is cause:
-            break
-        cause = inner
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(cause)
-    if isinstance(exc, EngineOverloadedError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause)
-    if isinstance(exc, EngineDeadError):
-        return grpc.StatusCode.UNAVAILABLE, str(cause)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(cause).__name__}: {cause}"
+    instance of its cause's class) is judged and reported by its root cause, in ``clean_message``'s one
+    line: never Ray's traceback, task name, pid or address."""
+    cause = root_cause(exc)
+    if isinstance(exc, ValueError) or isinstance(cause, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, clean_message(cause)
+    if isinstance(exc, EngineOverloadedError) or isinstance(cause, EngineOverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, clean_message(cause)
+    if isinstance(exc, EngineDeadError) or isinstance(cause, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE, clean_message(cause)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(cause).__name__}: {clean_message(cause)}"
 
 
 async def abort_with_status(context: Any, exc: Exception) -> NoReturn:

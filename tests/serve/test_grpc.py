@@ -23,7 +23,7 @@ from api import grpc_serving
 from api import kvserve_pb2 as pb
 from api import kvserve_pb2_grpc
 from api.engine_client import AsyncLLMClient
-from engine import LLM, AsyncLLM, EngineOverloadedError, SamplingParams, engine_config
+from engine import LLM, AsyncLLM, EngineDeadError, EngineOverloadedError, SamplingParams, engine_config
 from engine.messages import CompletionOutput, RequestOutput
 from engine.tokenizer import Tokenizer
 from tests.e2e.prompts import test_prompts as make_prompts
@@ -306,20 +306,30 @@ def test_consumer_leaving_aborts_but_an_engine_refusal_does_not(tokenizer):
     asyncio.run(main())
 
 
-class RemoteValueError(ValueError):
-    """Like Ray's RayTaskError(ValueError): an instance of the cause's class, a traceback as message."""
+def ray_task_error(cause: Exception) -> Exception:
+    """Ray's RayTaskError(X) as a Serve handle call raises it: an instance of the cause's class whose
+    text is a coloured traceback with the task name, pid and IP."""
+    from ray.exceptions import RayTaskError
 
-    def __init__(self, cause: Exception) -> None:
-        super().__init__(f"ray::SchedulerActor.generate() Traceback ...\n{cause!r}")
-        self.cause = cause
+    try:
+        raise cause
+    except Exception as exc:
+        traceback = "".join(__import__("traceback").format_exception(exc))
+        error = RayTaskError("ServeReplica:kvserve:Ingress.Generate", traceback, exc, pid=4242, ip="10.1.2.3")
+    return error.as_instanceof_cause()
 
 
 @pytest.mark.parametrize("method", ["generate", "generate_stream"])
 @pytest.mark.parametrize("error, code, details", [
     (ValueError("top_p must be in (0, 1], got 2.0"), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1], got 2.0"),
-    (RemoteValueError(ValueError("bad stop id")), grpc.StatusCode.INVALID_ARGUMENT, "bad stop id"),
+    (ray_task_error(ValueError("bad stop id")), grpc.StatusCode.INVALID_ARGUMENT, "bad stop id"),
     (EngineOverloadedError("8 requests waiting"), grpc.StatusCode.RESOURCE_EXHAUSTED, "8 requests waiting"),
+    (ray_task_error(EngineOverloadedError("8 requests waiting")), grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "8 requests waiting"),
+    (ray_task_error(EngineDeadError("the workers are gone")), grpc.StatusCode.UNAVAILABLE, "the workers are gone"),
     (RuntimeError("boom"), grpc.StatusCode.INTERNAL, "internal error: RuntimeError: boom"),
+    (ray_task_error(RuntimeError("boom")), grpc.StatusCode.INTERNAL, "internal error: RuntimeError: boom"),
+    (RuntimeError("\x1b[31mred\x1b[0m alert"), grpc.StatusCode.INTERNAL, "internal error: RuntimeError: red alert"),
 ])
 def test_errors_on_a_serve_context_set_the_code_and_reraise(tokenizer, method, error, code, details):
     context = FakeServeContext()
