@@ -10,14 +10,20 @@
 
 Each LLMServer replica reserves one placement group: its own bundle, the engine's bundle (the
 scheduler actor, which also holds the model at tp = 1), and one bundle per rank at tp > 1; Serve
-scales replicas with these resources accounted.
+scales replicas with these resources accounted. The reservations are sized for the cluster the app
+will run on (`plan_reservations`): where the CPUs are too few for the replica, the scheduler actor
+and the Ingress to have bundles of their own, they take none and share the engine's or rank 0's,
+and a request that cannot fit at all stops the build with the setting to change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import math
+import os
 import uuid
+from dataclasses import dataclass
 from typing import Literal
 
 import ray
@@ -76,9 +82,12 @@ class AppArgs(BaseModel):
     api_key: str | None = None
     max_waiting_requests: int = 512
     stream_interval: int = Field(1, ge=1)  # streamed tokens per chunk (fewer, larger SSE chunks when > 1)
-    engine_cpus: float = 1.0  # logical CPUs of the engine bundle (tp = 1) or of each rank
+    # logical CPUs of the engine bundle (tp = 1) or of each rank bundle (at least 1: a rank actor takes one)
+    engine_cpus: float = Field(1.0, gt=0)
     torch_threads: int | None = None  # intra-op threads of the engine at tp = 1 (default: engine_cpus)
-    proxy_cpus: float = 0.5  # logical CPUs of each Ingress and LLMServer replica
+    # logical CPUs of each Ingress and LLMServer replica (and of the scheduler actor at tp > 1); default
+    # 0.5, less, down to none, where the cluster's CPUs are too few (see plan_reservations)
+    proxy_cpus: float | None = Field(None, ge=0)
 
     @property
     def autoscaling(self) -> bool:
@@ -91,6 +100,9 @@ class AppArgs(BaseModel):
         low, high = self.replica_range
         if self.autoscaling and not 0 <= low <= high:
             raise ValueError(f"need 0 <= min_replicas <= max_replicas, got {low} and {high}")
+        if self.tensor_parallel_size > 1 and self.engine_cpus < 1:
+            raise ValueError(f"engine_cpus={self.engine_cpus:g} is less than the one CPU each tensor-parallel rank "
+                             f"actor takes: give engine_cpus >= 1 at tensor_parallel_size > 1")
         return self
 
     @property
@@ -102,14 +114,14 @@ class AppArgs(BaseModel):
 class LLMServer:
     """One engine instance: starts its scheduler actor (and ranks) in this replica's placement group."""
 
-    async def __init__(self, config: EngineConfig, args: AppArgs, use_gpu: bool) -> None:
+    async def __init__(self, config: EngineConfig, args: AppArgs, use_gpu: bool, plan: Reservations) -> None:
         ctx = serve.get_replica_context()
         tp = config.parallel.tensor_parallel_size
         self.engine_name = f"engine:{ctx.app_name}:{ctx.replica_tag}"
         self.engine = launch_scheduler_actor(
             config,
-            placement_group=ray.util.get_current_placement_group(), bundle_index=1,
-            num_cpus=args.engine_cpus if tp == 1 else args.proxy_cpus,
+            placement_group=ray.util.get_current_placement_group(), bundle_index=plan.engine_bundle,
+            first_rank_bundle=plan.first_rank_bundle, num_cpus=plan.engine_cpus,
             num_gpus=1 if use_gpu and tp == 1 else 0,
             name=self.engine_name, namespace=ENGINE_NAMESPACE,
             max_waiting_requests=args.max_waiting_requests,
@@ -315,13 +327,84 @@ def _use_gpu(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def replica_bundles(args: AppArgs, use_gpu: bool) -> list[dict[str, float]]:
-    """[LLMServer replica] + [engine (model at tp = 1)] + [rank] * tp (tp > 1)."""
+DEFAULT_PROXY_CPUS = 0.5
+
+
+@dataclass(frozen=True)
+class Reservations:
+    """What one LLMServer replica reserves (its placement group) and where each actor goes in it."""
+
+    bundles: list[dict[str, float]]
+    replica_cpus: float  # the LLMServer replica actor, in bundle 0
+    engine_bundle: int  # the scheduler actor's bundle
+    engine_cpus: float  # the scheduler actor's CPUs (it runs the model at tp = 1)
+    first_rank_bundle: int  # rank r takes bundle first_rank_bundle + r (tp > 1)
+    ingress_cpus: float
+
+
+def cluster_cpus() -> tuple[float, float] | None:
+    """(CPUs of the largest node, CPUs of the cluster) where the application will run, or None when
+    that cannot be known here. `serve run serve_app:app` builds the app before it starts or joins Ray:
+    without RAY_ADDRESS and without a cluster from `ray start` on this machine it starts a local one,
+    with the CPUs Ray detects here."""
+    try:
+        if ray.is_initialized():
+            cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+            return (max(cpus), sum(cpus)) if cpus else None
+        from ray._private.services import canonicalize_bootstrap_address
+        from ray._private.utils import get_num_cpus
+
+        if canonicalize_bootstrap_address(None) is None:
+            local = float(get_num_cpus())
+            return local, local
+    except Exception:  # noqa: BLE001 - an unknown cluster: the default reservations, unchecked
+        pass
+    return None
+
+
+def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | None) -> Reservations:
+    """Each replica's bundles: [replica] + [engine (the model at tp = 1)] or [replica, scheduler] +
+    [rank] * tp. The engine (or each rank) takes ``engine_cpus``; the replica, the scheduler actor at
+    tp > 1 and the Ingress take ``proxy_cpus``, by default 0.5 or what the cluster leaves over (0
+    where it leaves nothing: they then share bundle 0, the engine's or rank 0's). ``cpus`` is (largest
+    node, cluster) or None (unknown: nothing is checked). Raises ValueError, naming the setting to
+    change, when the reservations cannot fit: a placement group that can never be placed would leave
+    every request waiting."""
+    tp = args.tensor_parallel_size
+    high = args.replica_range[1] if args.autoscaling else (args.num_replicas or 1)
+    compute = args.engine_cpus * tp  # the engine at tp = 1, the ranks above
+    shared = 1 if tp == 1 else 2  # CPU-less actors beside the compute: the replica (+ the scheduler)
+    proxy = args.proxy_cpus
+    if cpus is not None:
+        node, total = cpus
+        per_group = node if args.placement_strategy == "STRICT_PACK" else total
+        where = "the largest node" if per_group == node else "the cluster"
+        if compute > per_group:
+            setting = (f"tensor_parallel_size={tp} with engine_cpus={args.engine_cpus:g} per rank" if tp > 1
+                       else f"engine_cpus={args.engine_cpus:g}")
+            lower = "tensor_parallel_size (or engine_cpus)" if tp > 1 else "engine_cpus"
+            raise ValueError(f"{setting} needs {compute:g} CPUs for one engine but {where} has {per_group:g}: "
+                             f"lower {lower}, or run on a bigger node or cluster")
+        if compute * high > total:
+            raise ValueError(f"{high} replicas need {compute * high:g} CPUs for their engines but the cluster has "
+                             f"{total:g}: lower num_replicas / max_replicas (or engine_cpus, tensor_parallel_size)")
+        if proxy is None:
+            room = min((per_group - compute) / shared, (total - compute * high) / (shared * high + 1))
+            proxy = min(DEFAULT_PROXY_CPUS, math.floor(max(room, 0.0) * 100) / 100)
+        elif compute + shared * proxy > per_group or (compute + shared * proxy) * high + proxy > total:
+            raise ValueError(f"proxy_cpus={proxy:g} leaves too few CPUs for the engines ({total:g} in the cluster, "
+                             f"{per_group:g} for one replica): lower proxy_cpus (0 is allowed)")
+    elif proxy is None:
+        proxy = DEFAULT_PROXY_CPUS
     gpu = {"GPU": 1.0} if use_gpu else {}
-    proxy = {"CPU": args.proxy_cpus}
-    if args.tensor_parallel_size == 1:
-        return [proxy, {"CPU": args.engine_cpus, **gpu}]
-    return [proxy, {"CPU": args.proxy_cpus}] + [{"CPU": args.engine_cpus, **gpu}] * args.tensor_parallel_size
+    engine = [{"CPU": args.engine_cpus, **gpu}] * tp
+    if proxy > 0:
+        aux = [{"CPU": proxy}] * shared
+        return Reservations(aux + engine, replica_cpus=proxy, engine_bundle=1,
+                            engine_cpus=args.engine_cpus if tp == 1 else proxy, first_rank_bundle=shared,
+                            ingress_cpus=proxy)
+    return Reservations(engine, replica_cpus=0.0, engine_bundle=0, engine_cpus=args.engine_cpus if tp == 1 else 0.0,
+                        first_rank_bundle=0, ingress_cpus=0.0)
 
 
 def build_app(args: AppArgs | dict | None = None):
@@ -341,11 +424,12 @@ def build_app(args: AppArgs | dict | None = None):
         cascade_attention=args.cascade_attention,
     )
     use_gpu = _use_gpu(args.device)
+    plan = plan_reservations(args, use_gpu, cluster_cpus())
     served_name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
     options: dict = {
         "name": "LLMServer",
-        "ray_actor_options": {"num_cpus": args.proxy_cpus},
-        "placement_group_bundles": replica_bundles(args, use_gpu),
+        "ray_actor_options": {"num_cpus": plan.replica_cpus},
+        "placement_group_bundles": plan.bundles,
         "placement_group_strategy": args.placement_strategy,
         # a replica takes what its engine can hold (running + waiting); each handle queues as many
         # more while no replica has room, and refuses the rest (BackPressureError -> 503)
@@ -370,9 +454,9 @@ def build_app(args: AppArgs | dict | None = None):
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0,
         )
-    llm_server = serve.deployment(LLMServer).options(**options).bind(config, args, use_gpu)
+    llm_server = serve.deployment(LLMServer).options(**options).bind(config, args, use_gpu, plan)
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
-        name="Ingress", ray_actor_options={"num_cpus": args.proxy_cpus}, max_ongoing_requests=10_000,
+        name="Ingress", ray_actor_options={"num_cpus": plan.ingress_cpus}, max_ongoing_requests=10_000,
     )
     return ingress.bind(llm_server, args.model, served_name, config.max_model_len, args.api_key,
                         args.stream_interval)

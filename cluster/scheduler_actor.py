@@ -150,6 +150,7 @@ def launch_scheduler_actor(
     *,
     placement_group=None,
     bundle_index: int = 0,
+    first_rank_bundle: int | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
     name: str | None = None,
@@ -160,7 +161,8 @@ def launch_scheduler_actor(
     ready_timeout_s: float = 600.0,
 ):
     """Start a scheduler actor and (``wait``) block until it serves. In ``placement_group``, the actor
-    takes bundle ``bundle_index`` and its ranks (tensor_parallel_size > 1) the bundles after it."""
+    takes bundle ``bundle_index`` and its ranks (tensor_parallel_size > 1) the bundles from
+    ``first_rank_bundle`` on (default: the ones after the actor's)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -173,7 +175,8 @@ def launch_scheduler_actor(
     if placement_group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, bundle_index)
         if config.parallel.tensor_parallel_size > 1:
-            executor_kwargs = {"placement_group": placement_group, "first_bundle": bundle_index + 1}
+            first = bundle_index + 1 if first_rank_bundle is None else first_rank_bundle
+            executor_kwargs = {"placement_group": placement_group, "first_bundle": first}
     actor = ray.remote(SchedulerActor).options(**options).remote(
         config, executor_kwargs=executor_kwargs, max_waiting_requests=max_waiting_requests,
         torch_threads=torch_threads)

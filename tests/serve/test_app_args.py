@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from serve_app import AppArgs, build_app, replica_bundles
+from serve_app import AppArgs, build_app, cluster_cpus, plan_reservations
 
 
 def test_cli_strings_are_converted_and_checked(model_dirs):
@@ -15,7 +15,8 @@ def test_cli_strings_are_converted_and_checked(model_dirs):
     assert args.stream_interval == 4
     for bad in ({"tensor_parallel_size": "two"}, {"bogus_option": 1}, {"dtype": "int4"}, {"router": "random"},
                 {"num_replicas": 2, "min_replicas": 1}, {"min_replicas": 3, "max_replicas": 2},
-                {"stream_interval": 0}):
+                {"stream_interval": 0}, {"engine_cpus": 0}, {"proxy_cpus": -1},
+                {"tensor_parallel_size": 2, "engine_cpus": 0.5}):
         with pytest.raises(ValidationError):
             AppArgs.model_validate(bad)
 
@@ -30,7 +31,66 @@ def test_engine_settings_are_validated_when_the_app_is_built(model_dirs, tmp_pat
 
 
 def test_each_replica_reserves_its_engine_and_ranks():
-    assert replica_bundles(AppArgs(), use_gpu=False) == [{"CPU": 0.5}, {"CPU": 1.0}]
-    assert replica_bundles(AppArgs(engine_cpus=2), use_gpu=True) == [{"CPU": 0.5}, {"CPU": 2.0, "GPU": 1.0}]
-    assert replica_bundles(AppArgs(tensor_parallel_size=2), use_gpu=True) == [
-        {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    big = (8.0, 8.0)
+    plan = plan_reservations(AppArgs(), use_gpu=False, cpus=big)
+    assert plan.bundles == [{"CPU": 0.5}, {"CPU": 1.0}]
+    assert (plan.replica_cpus, plan.engine_bundle, plan.engine_cpus, plan.ingress_cpus) == (0.5, 1, 1.0, 0.5)
+    plan = plan_reservations(AppArgs(engine_cpus=2), use_gpu=True, cpus=big)
+    assert plan.bundles == [{"CPU": 0.5}, {"CPU": 2.0, "GPU": 1.0}]
+    plan = plan_reservations(AppArgs(tensor_parallel_size=2), use_gpu=True, cpus=big)
+    assert plan.bundles == [{"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    assert (plan.engine_bundle, plan.engine_cpus, plan.first_rank_bundle) == (1, 0.5, 2)
+    assert plan_reservations(AppArgs(proxy_cpus=0.25), use_gpu=False, cpus=None).bundles == [
+        {"CPU": 0.25}, {"CPU": 1.0}]  # an unknown cluster: what was asked, unchecked
+
+
+def test_reservations_fit_a_small_node():
+    """Two CPUs: tp = 1 keeps the defaults (2 CPUs in all with the Ingress); tp = 2 gives the ranks a
+    CPU each and the replica, the scheduler actor and the Ingress none (they share rank 0's bundle);
+    three CPUs leave 1 for the three of them."""
+    two = (2.0, 2.0)
+    plan = plan_reservations(AppArgs(), use_gpu=False, cpus=two)
+    assert plan.bundles == [{"CPU": 0.5}, {"CPU": 1.0}] and plan.ingress_cpus == 0.5
+    plan = plan_reservations(AppArgs(tensor_parallel_size=2), use_gpu=False, cpus=two)
+    assert plan.bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert (plan.replica_cpus, plan.engine_bundle, plan.engine_cpus, plan.first_rank_bundle, plan.ingress_cpus) == (
+        0.0, 0, 0.0, 0, 0.0)
+    plan = plan_reservations(AppArgs(tensor_parallel_size=2), use_gpu=False, cpus=(3.0, 3.0))
+    assert plan.bundles == [{"CPU": 0.33}, {"CPU": 0.33}, {"CPU": 1.0}, {"CPU": 1.0}] and plan.ingress_cpus == 0.33
+    plan = plan_reservations(AppArgs(num_replicas=2), use_gpu=False, cpus=(3.0, 3.0))
+    assert plan.bundles == [{"CPU": 0.33}, {"CPU": 1.0}] and plan.ingress_cpus == 0.33  # 2 x 1.33 + 0.33
+    plan = plan_reservations(AppArgs(), use_gpu=False, cpus=(1.0, 1.0))
+    assert plan.bundles == [{"CPU": 1.0}] and (plan.replica_cpus, plan.engine_bundle, plan.ingress_cpus) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("args, cpus, setting", [
+    ({"tensor_parallel_size": 3}, (2.0, 2.0), "tensor_parallel_size=3"),
+    ({"tensor_parallel_size": 2, "engine_cpus": 2}, (2.0, 4.0), "tensor_parallel_size=2"),  # STRICT_PACK: one node
+    ({"engine_cpus": 4}, (2.0, 2.0), "engine_cpus=4"),
+    ({"num_replicas": 3}, (2.0, 2.0), "num_replicas"),
+    ({"min_replicas": 1, "max_replicas": 4}, (2.0, 2.0), "max_replicas"),
+    ({"proxy_cpus": 0.5, "tensor_parallel_size": 2}, (2.0, 2.0), "proxy_cpus"),
+])
+def test_reservations_that_cannot_fit_name_the_setting(args, cpus, setting):
+    with pytest.raises(ValueError, match=setting.replace("(", r"\(")):
+        plan_reservations(AppArgs(**args), use_gpu=False, cpus=cpus)
+    plan_reservations(AppArgs(**args), use_gpu=False, cpus=(16.0, 16.0))  # fits a bigger node
+
+
+def test_build_sizes_for_the_local_cluster_serve_run_will_start(model_dirs, monkeypatch):
+    """`serve run serve_app:app` builds before Ray starts: the app is sized for this machine's CPUs
+    (as Ray counts them), and a request for more stops the build."""
+    import ray
+    from ray._private.utils import get_num_cpus
+
+    assert not ray.is_initialized()
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    local = float(get_num_cpus())
+    assert cluster_cpus() == (local, local)
+    app = build_app({"model": model_dirs["llama"], "tensor_parallel_size": 2 if local >= 2 else 1})
+    llm_server = app._bound_deployment.init_args[0]._bound_deployment  # the Ingress's first argument
+    bundles = llm_server._replica_config.placement_group_bundles
+    assert sum(b["CPU"] for b in bundles) + app._bound_deployment.ray_actor_options["num_cpus"] <= local
+    assert llm_server.ray_actor_options["num_cpus"] <= bundles[0]["CPU"]
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={int(local) + 1} with engine_cpus=1 per rank"):
+        build_app({"model": model_dirs["llama"], "tensor_parallel_size": int(local) + 1})

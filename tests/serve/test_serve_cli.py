@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -22,12 +23,12 @@ SERVE = str(Path(sys.executable).with_name("serve"))
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-def config_for(model_dir: str, tmp_path: Path) -> tuple[Path, str]:
+def config_for(model_dir: str, tmp_path: Path, **args) -> tuple[Path, str]:
     config = yaml.safe_load((ROOT / "infra" / "serve_config.yaml").read_text())
     http_port = free_port()
     config["http_options"]["port"] = http_port
     config["grpc_options"]["port"] = free_port()
-    config["applications"][0]["args"].update(model=model_dir, served_model_name="tiny", num_kv_blocks=256)
+    config["applications"][0]["args"].update(model=model_dir, served_model_name="tiny", num_kv_blocks=256, **args)
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, f"http://127.0.0.1:{http_port}"
@@ -46,8 +47,11 @@ def env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
 
 
-def test_serve_run_with_the_shipped_config(model_dirs, tmp_path):
-    path, base_url = config_for(model_dirs["llama"], tmp_path)
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_serve_run_with_the_shipped_config(model_dirs, tmp_path, tensor_parallel_size):
+    """`serve run` starts its own Ray with the CPUs this machine has (no logical CPUs added): at
+    tensor_parallel_size 2 on a two-core machine the ranks take a CPU each and the rest none."""
+    path, base_url = config_for(model_dirs["llama"], tmp_path, tensor_parallel_size=tensor_parallel_size)
     proc = subprocess.Popen([SERVE, "run", str(path)], cwd=ROOT, env={**env(), "RAY_ADDRESS": "local"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -56,6 +60,22 @@ def test_serve_run_with_the_shipped_config(model_dirs, tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # `serve run` in the background ignores SIGINT
         proc.wait(timeout=60)
+
+
+def test_serve_run_that_cannot_fit_stops_at_once_naming_the_setting(model_dirs):
+    """The README's form, `serve run serve_app:app key=value ...`, asking for more CPUs than this
+    machine has: it exits within 30 s, before any cluster starts, and says which setting to lower."""
+    from ray._private.utils import get_num_cpus
+
+    too_many = int(get_num_cpus()) + 1
+    started = time.monotonic()
+    result = subprocess.run([SERVE, "run", "serve_app:app", f"model={model_dirs['llama']}",
+                             f"tensor_parallel_size={too_many}"], cwd=ROOT, env={**env(), "RAY_ADDRESS": "local"},
+                            capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 30
+    assert result.returncode != 0
+    assert (f"tensor_parallel_size={too_many} with engine_cpus=1 per rank needs {too_many} CPUs for one engine "
+            f"but the largest node has {too_many - 1}: lower tensor_parallel_size") in result.stderr
 
 
 def test_serve_deploy_onto_a_running_cluster(model_dirs, tmp_path):
