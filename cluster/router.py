@@ -16,7 +16,10 @@ Policy, for one ``generate(request_id, prompt_token_ids, params, cache_salt=...)
    them in that order when the chosen replica is full. The replica goes to *that* request.
 
 Non-``generate`` calls, prompts shorter than one block, and requests routed before any block size is
-known go to a random pair of replicas, of which Serve takes the one with the shorter queue.
+known go to a random pair of replicas, of which Serve takes the one with the shorter queue. So do
+prompts the router cannot hash (token ids that are not int64: the engine refuses them with a clear
+error) and any routing whose policy fails: an exception in ``choose_replicas`` would leave the request
+unrouted and its caller waiting forever, so every one falls back to the random pair.
 
 Reports lag (one per ``request_routing_stats_period_s``), so each routing records the prompt's
 chain at the chosen replica (and again at the replica that accepted it, ``on_request_routed``):
@@ -157,12 +160,18 @@ class ReplicaPrefixState:
             self.recent.popitem(last=False)
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the block hash packs ("q"); the engine checks the vocabulary
+
+
 def extract_prompt(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Sequence[int] | None, str | None]:
     """``(prompt_token_ids, cache_salt)`` of a ``generate(request_id, prompt_token_ids, params,
-    cache_salt=None)`` call, by keyword or position; ``(None, None)`` when there are no token ids."""
+    cache_salt=None)`` call, by keyword or position; ``(None, None)`` when there are no token ids or
+    they cannot be hashed (not all int64 integers: routed at random, then refused by the engine)."""
     token_ids = kwargs.get("prompt_token_ids", args[1] if len(args) > 1 else None)
     salt = kwargs.get("cache_salt", args[3] if len(args) > 3 else None)
-    if not isinstance(token_ids, (list, tuple)) or not token_ids or not isinstance(token_ids[0], int):
+    if not isinstance(token_ids, (list, tuple)) or not token_ids:
+        return None, None
+    if not all(type(t) is int and INT64_MIN <= t <= INT64_MAX for t in token_ids):
         return None, None
     return token_ids, salt if isinstance(salt, str) else None
 
@@ -241,12 +250,21 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """One routing attempt: ranks of replicas, most preferred first (see the module docstring)."""
+        """One routing attempt: ranks of replicas, most preferred first (see the module docstring).
+        Never raises: a failure of the policy routes the request to a random pair (and is logged)."""
         if not candidate_replicas:
             return []
         task = asyncio.current_task(loop=self._event_loop)
         if pending_request is not None and task is not None:
             self._choosing[task] = pending_request  # for _fulfill_next_pending_request
+        try:
+            return self._choose_by_policy(candidate_replicas, pending_request)
+        except Exception:
+            logger.exception("prefix-aware routing failed; routing the request to a random pair of replicas")
+            return [self._rng.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+    def _choose_by_policy(self, candidate_replicas: list[RunningReplica],
+                          pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         states = {r.replica_id: self.state(r) for r in candidate_replicas}
         prompt = self.prompt_hashes(pending_request)
         if not prompt:

@@ -296,3 +296,42 @@ def test_replicas_that_leave_are_forgotten():
         assert await route(router, SYSTEM) == "b"
 
     asyncio.run(main())
+
+
+def test_unhashable_prompts_are_routed_not_dropped():
+    """Token ids that do not fit the hash's int64 (2**64 inside a full block) used to raise OverflowError
+    in the routing loop, and the request was never answered: now they go to a random pair (the engine
+    then refuses them with a clear error), and the other requests keep their prefix routing."""
+    huge = SYSTEM[:4] + [2**64] + SYSTEM[5:]
+    assert extract_prompt(["id", huge, None], {}) == (None, None)
+    assert extract_prompt(["id", [-(2**63) - 1] * 8, None], {}) == (None, None)
+    assert extract_prompt(["id", [True] * 8, None], {}) == (None, None)  # not token ids
+    assert extract_prompt(["id", [2**63 - 1] * 8, None], {})[0] == [2**63 - 1] * 8  # fits: hashable
+    assert len(prompt_block_hashes([2**63 - 1] * 8, BS)) == 2
+
+    async def main() -> None:
+        router = make_router(imbalance_threshold=100)
+        router._update_running_replicas([replica_info("a"), replica_info("b"), replica_info("c", stats(CHAIN))])
+        for prompt in (huge, [2**64] * 16, [-1, -(2**70)] * 8):
+            assert await route(router, prompt) in "abc"  # answered, within route's timeout
+            ranks = await router.choose_replicas(list(router.curr_replicas.values()), generate_request(prompt))
+            assert len(ranks) == 1 and len(ranks[0]) == 2  # the random pair
+        assert await route(router, SYSTEM) == "c"
+
+    asyncio.run(main())
+
+
+def test_a_failing_policy_routes_at_random_and_logs(caplog):
+    """Whatever goes wrong inside the policy, the request gets a replica (and the failure is logged)."""
+    async def main() -> list[str]:
+        router = make_router(block_size=BS)
+        router._update_running_replicas([replica_info(n, stats(CHAIN)) for n in "ab"])
+
+        def broken(pending_request):
+            raise RuntimeError("policy bug")
+
+        router.prompt_hashes = broken
+        return [await route(router, SYSTEM) for _ in range(4)]
+
+    assert set(asyncio.run(main())) <= {"a", "b"}
+    assert any("prefix-aware routing failed" in r.getMessage() and r.exc_info for r in caplog.records)

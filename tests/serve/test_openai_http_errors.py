@@ -78,6 +78,8 @@ INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
      f"stop_token_ids.1: Input should be less than or equal to {INT32_MAX}"),
     ("/v1/completions", {"prompt": [1, 2**64]}, "prompt",
      f"prompt: token ids must be integers in [0, {INT32_MAX}], got {2**64}"),
+    ("/v1/completions", {"prompt": [5] * 20 + [2**64] + [5] * 20, "max_tokens": 2}, "prompt",  # inside a full block
+     f"prompt: token ids must be integers in [0, {INT32_MAX}], got {2**64}"),
     ("/v1/completions", {"prompt": [[1, 2], [-1]]}, "prompt",
      f"prompt: token ids must be integers in [0, {INT32_MAX}], got -1"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", "top_p: Input should be greater than 0"),
