@@ -3,7 +3,7 @@ outputs. Pure Python: it imports neither torch nor ray (executors are loaded by 
 
 from engine.async_engine import AsyncLLM
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.core import EngineCore, EngineDeadError, EngineOverloadedError
+from engine.core import EngineCore, EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.llm import LLM, engine_config
 from engine.messages import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -20,6 +20,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "RequestOutput",
+    "RequestFailedError",
     "RequestOutputKind",
     "SamplingParams",
     "SchedulerConfig",

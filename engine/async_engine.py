@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, EngineDeadError, EngineOverloadedError, PromptType
+from engine.core import EngineCore, EngineDeadError, EngineOverloadedError, PromptType, RequestFailedError
 from engine.messages import RequestOutput, merge_outputs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -123,6 +123,8 @@ class AsyncLLM:
         sink = self._sinks.get(request_id)
         if sink is None:
             return
+        if isinstance(item, RequestOutput) and item.error is not None:
+            item = RequestFailedError(item.error)  # this request alone failed: its stream ends with it
         if isinstance(item, BaseException) or item.finished:
             del self._sinks[request_id]
         sink(item)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 
 from engine.config import EngineConfig
 from engine.executor import Executor, WorkerFailedError, create_executor
@@ -28,6 +29,10 @@ PromptType = str | list[int]
 
 class EngineDeadError(RuntimeError):
     """The engine cannot run steps any more (its workers are gone); requests in flight fail with it."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not run this request (a step that held it alone raised); others go on."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -59,6 +64,10 @@ class EngineCore:
         self.timings = StepTimings()
         self._eos_token_ids = frozenset(config.model.eos_token_ids)
         self.num_worker_restarts = 0
+        self.num_failed_steps = 0  # steps that raised (not counting lost ranks)
+        self.num_failed_requests = 0  # requests failed because a step that held them alone raised
+        # requests of a step that raised, to be run one per step until the one that fails alone is found
+        self._suspects: deque[str] = deque()
         # what start-up made (model, tokenizer, the pool's bookkeeping) lives as long as the engine:
         # out of the collector's sight, the collections that steps trigger stay short
         gc.collect()
@@ -157,9 +166,19 @@ class EngineCore:
     # --- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Plan and run one step; returns the outputs it produced.
+
+        A step that raises (an exception inside a rank, not a lost rank) is rolled back whole and
+        its requests run again one per step: the one that fails alone fails with RequestFailedError
+        (its output carries ``error``), the others produce exactly the tokens they would have.
+        A lost rank rebuilds the ranks and recomputes every running request; an interruption
+        (KeyboardInterrupt) rolls the step back and raises."""
         start = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        only = self._next_suspect()
+        scheduler_output = self.scheduler.schedule(only=only)
         if scheduler_output.is_empty:
+            if only is not None:
+                self._suspects.popleft()  # it cannot run now: nothing held it alone, so it is cleared
             return []
         execute_start = time.perf_counter()
         try:
@@ -167,10 +186,14 @@ class EngineCore:
         except WorkerFailedError as exc:
             self._recover(exc)
             return []
-        except BaseException:
+        except BaseException as exc:
             # nothing of the step is kept: not its tokens, not the prefix-cache entries it planned
             self.scheduler.rollback(scheduler_output)
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            return self._isolate(scheduler_output, exc)
+        if only is not None:
+            self._suspects.popleft()  # it ran alone without failing
         execute_wall = time.perf_counter() - execute_start
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         request_outputs, stopped = self.outputs.process(core_outputs)
@@ -179,6 +202,36 @@ class EngineCore:
         self.timings.record(time.perf_counter() - start, runner_output.forward_time_s,
                             runner_output.execute_time_s, execute_wall - runner_output.execute_time_s)
         return request_outputs
+
+    def _next_suspect(self) -> str | None:
+        while self._suspects and self._suspects[0] not in self.scheduler.requests:
+            self._suspects.popleft()  # finished or aborted meanwhile
+        return self._suspects[0] if self._suspects else None
+
+    def _isolate(self, scheduler_output, exc: Exception) -> list[RequestOutput]:
+        """A step raised: a step of one request fails that request; a larger one puts its requests
+        under suspicion, to run one per step next (each at most once per failure)."""
+        self.num_failed_steps += 1
+        sample_ids = list(scheduler_output.num_scheduled_tokens)
+        if len(sample_ids) > 1:
+            logger.warning("an engine step of %d requests failed (%s: %s); running them one at a time",
+                           len(sample_ids), type(exc).__name__, exc)
+            known = set(self._suspects)
+            self._suspects.extendleft(reversed([s for s in sample_ids if s not in known]))
+            return []
+        if self._suspects and self._suspects[0] == sample_ids[0]:
+            self._suspects.popleft()
+        request_id = self.outputs.request_id_of(sample_ids[0])
+        logger.warning("request %r failed the engine step that held it alone (%s: %s)",
+                       request_id, type(exc).__name__, exc)
+        if request_id is None:
+            self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ERROR)
+            return []
+        self.num_failed_requests += 1
+        self.scheduler.finish_requests(self.outputs.sample_ids_of(request_id), RequestStatus.FINISHED_ERROR)
+        output = self.outputs.fail(request_id, f"the engine failed while running this request "
+                                               f"({type(exc).__name__})")
+        return [output] if output is not None else []
 
     def _recover(self, failure: WorkerFailedError) -> None:
         """Rebuild the ranks and recompute every running request; the step that failed is lost
@@ -220,6 +273,8 @@ class EngineCore:
             "dispatch_time_s": self.timings.dispatch_time_s,
             "engine_overhead_fraction": self.timings.overhead_fraction,
             "num_worker_restarts": self.num_worker_restarts,
+            "num_failed_steps": self.num_failed_steps,
+            "num_failed_requests": self.num_failed_requests,
             "histograms": {
                 "time_to_first_token_seconds": self.outputs.latency.time_to_first_token.as_dict(),
                 "inter_token_latency_seconds": self.outputs.latency.inter_token_latency.as_dict(),

@@ -78,7 +78,8 @@ class LLM:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
 
         Every prompt is validated before any is added, so a bad one raises ValueError and leaves the
-        engine untouched.
+        engine untouched. A request the engine fails (a step that ran it alone raised) comes back
+        finished with ``error`` set and finish reason "error"; the others are unaffected.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]

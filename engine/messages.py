@@ -86,7 +86,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: SampleLogprobs | None = None
 
@@ -104,6 +104,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    error: str | None = None  # why the engine failed this request (it is finished, and failed alone)
 
 
 def merge_outputs(first: RequestOutput, second: RequestOutput, kind) -> RequestOutput:
@@ -122,4 +123,4 @@ def merge_outputs(first: RequestOutput, second: RequestOutput, kind) -> RequestO
                                             s.finish_reason, s.stop_reason, logprobs)
     return RequestOutput(second.request_id, second.prompt, second.prompt_token_ids,
                          [samples[i] for i in sorted(samples)], second.finished, second.num_cached_tokens,
-                         second.metrics)
+                         second.metrics, second.error)

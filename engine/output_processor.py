@@ -110,6 +110,24 @@ class OutputProcessor:
         self._by_sample_id = {k: v for k, v in self._by_sample_id.items() if v[0] is not state}
         return self._make_output(state, time.time())
 
+    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        """End a request the engine could not run; its final output carries ``error`` and its
+        unfinished samples finish with reason "error"."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for sample in state.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "error"
+        self._by_sample_id = {k: v for k, v in self._by_sample_id.items() if v[0] is not state}
+        output = self._make_output(state, time.time())
+        output.error = error
+        return output
+
+    def request_id_of(self, sample_id: str) -> str | None:
+        entry = self._by_sample_id.get(sample_id)
+        return entry[0].request_id if entry is not None else None
+
     def sample_ids_of(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
         return [k for k, (s, _) in self._by_sample_id.items() if s is state] if state else []

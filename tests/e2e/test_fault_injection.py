@@ -83,3 +83,127 @@ def test_an_interrupted_decode_step_keeps_the_computed_prompts(llama, hf_oracle)
         # every full prompt block (one token short of the prompt) is a hit on the rerun
         assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == \
             sum((len(p) - 1) // block * block for p in prompts)
+
+
+POISON_SEED = 666  # a greedy request with this seed makes the poisoned sampler raise
+
+
+class PoisonedSampler:
+    """Wraps rank 0's sampler: raises when a row of the batch is the poisoned request (marked by its
+    seed) and has ``after`` output tokens, as a sampler would on a value it cannot handle."""
+
+    def __init__(self, llm, after: int = 0) -> None:
+        runner = llm.core.executor.worker.runner
+        self.inner, self.after, self.raised = runner.sampler, after, 0
+        runner.sampler = self
+
+    def __call__(self, logits, rows):
+        if any(r.params.seed == POISON_SEED and r.num_output_tokens >= self.after for r in rows):
+            self.raised += 1
+            raise OverflowError("Python int too large to convert to C long")
+        return self.inner(logits, rows)
+
+
+def poisoned(n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, seed=POISON_SEED, n=n)
+
+
+@pytest.mark.parametrize("after", [0, 3], ids=["in-prefill", "mid-decode"])
+def test_a_request_that_fails_the_sampler_fails_alone(llama, hf_oracle, after):
+    prompts = make_prompts(llama)
+    oracle = hf_oracle("llama")
+    with LLM(model=llama, attention_backend="torch") as llm:
+        sampler = PoisonedSampler(llm, after)
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        params = [GREEDY] * len(prompts)
+        inputs.insert(3, {"prompt_token_ids": prompts[2]})
+        params.insert(3, poisoned())
+        outs = llm.generate(inputs, params)
+        bad = outs.pop(3)
+        assert bad.finished and bad.outputs[0].finish_reason == "error"
+        assert bad.error == "the engine failed while running this request (OverflowError)"
+        assert len(bad.outputs[0].token_ids) == after
+        assert all(o.error is None for o in outs)
+        check_greedy(oracle, prompts, outs)
+        stats = llm.stats()
+        # one failed step of every request, then the requests of that step one at a time until the
+        # poisoned one failed alone
+        assert stats["num_failed_requests"] == 1 and stats["num_failed_steps"] == 2
+        assert sampler.raised == 2
+        assert stats["num_blocks_in_use"] == 0 and stats["num_requests_running"] == 0
+        # the same engine serves the prompts again, from a cache the failures did not poison
+        hits = stats["prefix_cache_hits"]
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        check_greedy(oracle, prompts, again)
+        assert llm.stats()["prefix_cache_hits"] - hits == sum((len(p) - 1) // 16 * 16 for p in prompts)
+
+
+def test_every_sample_of_a_failed_request_ends_and_nothing_leaks(llama, hf_oracle):
+    prompts = make_prompts(llama)[2:5]
+    with LLM(model=llama, attention_backend="torch") as llm:
+        PoisonedSampler(llm, after=2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": prompts[0]}],
+                            [GREEDY] * len(prompts) + [poisoned(n=3)])
+        bad = outs.pop()
+        assert [s.finish_reason for s in bad.outputs] == ["error"] * 3 and bad.error is not None
+        check_greedy(hf_oracle("llama"), prompts, outs)
+        assert llm.stats()["num_blocks_in_use"] == 0
+
+
+def test_the_async_engine_fails_the_stream_of_that_request_only(llama, hf_oracle):
+    import asyncio
+
+    from engine import AsyncLLM, RequestFailedError
+    from engine.llm import engine_config
+
+    prompts = make_prompts(llama)[1:5]
+    engine = AsyncLLM(engine_config(llama, attention_backend="torch"))
+    runner = engine.core.executor.worker.runner
+
+    class Holder:  # PoisonedSampler reads llm.core.executor.worker.runner
+        core = engine.core
+    PoisonedSampler(Holder, after=1)
+
+    async def collect(i, prompt, params):
+        tokens = []
+        async for out in engine.generate(prompt, params, request_id=f"r{i}"):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def main():
+        jobs = [collect(i, p, GREEDY) for i, p in enumerate(prompts)]
+        jobs.append(collect("bad", prompts[0], poisoned()))
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert isinstance(results[-1], RequestFailedError)
+    assert str(results[-1]) == "the engine failed while running this request (OverflowError)"
+    for prompt, tokens in zip(prompts, results[:-1]):
+        assert len(tokens) == GREEDY.max_tokens
+        hf_oracle("llama").assert_greedy(prompt, tokens)
+    assert runner.sampler.raised == 2
+    assert engine.stats()["num_blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("fail_on", [1, 4], ids=["prefill-step", "decode-step"])
+def test_a_step_that_raises_once_costs_no_request(llama, hf_oracle, fail_on):
+    """A transient failure (an executor raising on step k): the step's requests, run one at a time,
+    all succeed, and every request completes with the tokens it would have produced."""
+    prompts = make_prompts(llama)
+    oracle = hf_oracle("llama")
+    with LLM(model=llama, attention_backend="torch") as llm:
+        faulty = FaultyExecutor(llm.core, RuntimeError("CUDA error: an illegal memory access"), {fail_on})
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        check_greedy(oracle, prompts, outs)
+        stats = llm.stats()
+        assert stats["num_failed_steps"] == 1 and stats["num_failed_requests"] == 0
+        # one failed step, one step per request of it alone, then the normal steps: a prompt-only
+        # first step plus one step per further token (the isolation steps gave each request one)
+        assert faulty.calls == 1 + len(prompts) + GREEDY.max_tokens - 1
+        hits = stats["prefix_cache_hits"]
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        check_greedy(oracle, prompts, again)
+        assert llm.stats()["prefix_cache_hits"] - hits == sum((len(p) - 1) // 16 * 16 for p in prompts)
