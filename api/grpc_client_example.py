@@ -3,7 +3,8 @@
     python -m api.grpc_client_example --address localhost:9000 --prompt "Hello" [--stream] [--max-tokens N]
 
 Behind Ray Serve's gRPC proxy, ``--app NAME`` sends the ``application`` metadata the proxy uses to
-pick the application (needed when more than one is running). The text goes to stdout; the finish
+pick the application (needed when more than one is running); ``--api-key KEY`` (default: the
+``KVSERVE_API_KEY`` environment variable) sends ``authorization: Bearer KEY``. The text goes to stdout; the finish
 reason and the token usage go to stderr; a failed call prints its status code and details to stderr
 and exits with status 1.
 """
@@ -11,6 +12,7 @@ and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -28,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=None, help="0 is greedy; default 1")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--app", default=None, help="Ray Serve application name (`application` metadata)")
+    parser.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                        help="the server's API key (default: $KVSERVE_API_KEY)")
     parser.add_argument("--request-id", default="", help="default: the server makes one")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of the call, seconds")
     return parser.parse_args(argv)
@@ -52,7 +56,10 @@ def _report(completion: pb.Completion, usage: pb.Usage, request_id: str) -> None
 
 def run(args: argparse.Namespace) -> int:
     """Send one request; 0 on success, 1 on an RPC error."""
-    metadata = [("application", args.app)] if args.app else None
+    metadata = [("application", args.app)] if args.app else []
+    if args.api_key:
+        metadata.append(("authorization", f"Bearer {args.api_key}"))
+    metadata = metadata or None
     request = build_request(args)
     with grpc.insecure_channel(args.address) as channel:
         stub = kvserve_pb2_grpc.KVServeStub(channel)

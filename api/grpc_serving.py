@@ -6,8 +6,13 @@ Engine-agnostic: it needs an ``api.engine_client.EngineClient`` (an in-process `
     GenerateRequest ─request_to_engine─► (prompt ids, SamplingParams, cache_salt)
         ─client.generate─► RequestOutput deltas ─► GenerateResponse per delta (stream) or merged (unary)
 
+With an ``api_key``, every RPC must carry the metadata ``authorization: Bearer <key>`` (as the HTTP API's
+header), else it ends with UNAUTHENTICATED before anything runs; a call without an RPC context (a Python
+caller inside the cluster, a Serve handle) is not checked.
+
 Errors become gRPC status codes (``grpc_status``): ValueError → INVALID_ARGUMENT, EngineOverloadedError →
-RESOURCE_EXHAUSTED, EngineDeadError → UNAVAILABLE, anything else → INTERNAL. ``generate`` and
+RESOURCE_EXHAUSTED, EngineDeadError → UNAVAILABLE, a bad key → UNAUTHENTICATED, anything else → INTERNAL.
+``generate`` and
 ``generate_stream`` take the RPC's context and report errors on it (``abort_with_status``):
 
 - a plain ``grpc.aio`` servicer context: ``await context.abort(code, details)``;
@@ -21,7 +26,8 @@ RESOURCE_EXHAUSTED, EngineDeadError → UNAVAILABLE, anything else → INTERNAL.
 A Serve ingress method is then two lines::
 
     async def GenerateStream(self, request, grpc_context=None):
-        async for message in generate_stream(request, self.client, self.tokenizer, grpc_context):
+        async for message in generate_stream(request, self.client, self.tokenizer, grpc_context,
+                                             api_key=self.api_key):
             yield message
 
 Whenever the consumer leaves before the engine finished (client cancel, deadline, disconnect), the
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -183,6 +190,25 @@ async def _responses(req: pb.GenerateRequest, client: EngineClient, tokenizer: T
     yield pb.GenerateResponse(request_id=request_id, usage=usage)  # a stream that ended unfinished
 
 
+# --- authentication ------------------------------------------------------------------------------------
+
+
+class Unauthenticated(Exception):
+    """The RPC lacks the right ``authorization`` metadata (UNAUTHENTICATED)."""
+
+
+def check_api_key(context: Any, api_key: str | None) -> None:
+    """Raises Unauthenticated unless ``api_key`` is None, there is no RPC context (an in-cluster Python
+    call), or the call's metadata holds ``authorization: Bearer <api_key>`` (compared in constant time)."""
+    if api_key is None or context is None:
+        return
+    given = next((value for key, value in context.invocation_metadata() or () if key.lower() == "authorization"), "")
+    if isinstance(given, str):
+        given = given.encode("utf-8", "replace")
+    if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+        raise Unauthenticated("invalid or missing API key: send the metadata `authorization: Bearer <key>`")
+
+
 # --- errors --------------------------------------------------------------------------------------------
 
 
@@ -191,6 +217,8 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     instance of its cause's class) is judged and reported by its root cause, in ``clean_message``'s one
     line: never Ray's traceback, task name, pid or address."""
     cause = root_cause(exc)
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, ValueError) or isinstance(cause, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, clean_message(cause)
     if isinstance(exc, EngineOverloadedError) or isinstance(cause, EngineOverloadedError):
@@ -216,10 +244,12 @@ async def abort_with_status(context: Any, exc: Exception) -> NoReturn:
 
 
 async def generate_stream(req: pb.GenerateRequest, client: EngineClient, tokenizer: Tokenizer,
-                          context: Any = None) -> AsyncIterator[pb.GenerateResponse]:
+                          context: Any = None, *, api_key: str | None = None) -> AsyncIterator[pb.GenerateResponse]:
     """GenerateStream: one GenerateResponse per engine delta (only the samples with news), the usage
-    on the last. Errors, also after messages were sent, are reported on ``context``."""
+    on the last. Errors, also after messages were sent, are reported on ``context``; with ``api_key``
+    the call must carry it (``check_api_key``)."""
     try:
+        check_api_key(context, api_key)
         async with contextlib.aclosing(_responses(req, client, tokenizer)) as stream:
             async for message in stream:
                 yield message
@@ -228,13 +258,14 @@ async def generate_stream(req: pb.GenerateRequest, client: EngineClient, tokeniz
 
 
 async def generate(req: pb.GenerateRequest, client: EngineClient, tokenizer: Tokenizer,
-                   context: Any = None) -> pb.GenerateResponse:
+                   context: Any = None, *, api_key: str | None = None) -> pb.GenerateResponse:
     """Generate: the stream's messages merged per sample (text, tokens and logprobs concatenated, the
     last finish and stop reasons), completions ordered by index, and the usage. Errors are reported
-    on ``context``."""
+    on ``context``; with ``api_key`` the call must carry it (``check_api_key``)."""
     merged: dict[int, pb.Completion] = {}
     response = pb.GenerateResponse()
     try:
+        check_api_key(context, api_key)
         async with contextlib.aclosing(_responses(req, client, tokenizer)) as stream:
             async for message in stream:
                 response.request_id = message.request_id
@@ -258,17 +289,20 @@ class KVServeServicer(kvserve_pb2_grpc.KVServeServicer):
     """The service for a plain ``grpc.aio`` server::
 
         server = grpc.aio.server()
-        kvserve_pb2_grpc.add_KVServeServicer_to_server(KVServeServicer(client, tokenizer), server)
+        kvserve_pb2_grpc.add_KVServeServicer_to_server(KVServeServicer(client, tokenizer, api_key), server)
+
+    With ``api_key`` every call must carry the metadata ``authorization: Bearer <api_key>``.
     """
 
-    def __init__(self, client: EngineClient, tokenizer: Tokenizer) -> None:
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer, api_key: str | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
+        self.api_key = api_key
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        return await generate(request, self.client, self.tokenizer, context)
+        return await generate(request, self.client, self.tokenizer, context, api_key=self.api_key)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[pb.GenerateResponse]:
-        async for message in generate_stream(request, self.client, self.tokenizer, context):
+        async for message in generate_stream(request, self.client, self.tokenizer, context, api_key=self.api_key):
             yield message

@@ -33,12 +33,17 @@ TIMEOUT_S = 60
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+API_KEY = "sk-grpc-test"
+
+
 class Server(NamedTuple):
-    """The running server, its engine, and a blocking stub on a channel to it."""
+    """The running server, its engine, and a blocking stub on a channel to it; a second server on the
+    same engine is configured with ``API_KEY``."""
 
     address: str
     engine: AsyncLLM
     stub: kvserve_pb2_grpc.KVServeStub
+    keyed_stub: kvserve_pb2_grpc.KVServeStub
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +64,21 @@ def server(model_dir):
     thread = threading.Thread(target=loop.run_forever, name="grpc-test-loop", daemon=True)
     thread.start()
 
-    async def start() -> tuple[grpc.aio.Server, int]:
+    async def start(api_key: str | None) -> tuple[grpc.aio.Server, int]:
         grpc_server = grpc.aio.server()
-        servicer = grpc_serving.KVServeServicer(AsyncLLMClient(engine), engine.core.tokenizer)
+        servicer = grpc_serving.KVServeServicer(AsyncLLMClient(engine), engine.core.tokenizer, api_key)
         kvserve_pb2_grpc.add_KVServeServicer_to_server(servicer, grpc_server)
         port = grpc_server.add_insecure_port("127.0.0.1:0")
         await grpc_server.start()
         return grpc_server, port
 
-    grpc_server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(TIMEOUT_S)
+    grpc_server, port = asyncio.run_coroutine_threadsafe(start(None), loop).result(TIMEOUT_S)
+    keyed_server, keyed_port = asyncio.run_coroutine_threadsafe(start(API_KEY), loop).result(TIMEOUT_S)
     address = f"127.0.0.1:{port}"
-    with grpc.insecure_channel(address) as channel:
-        yield Server(address, engine, kvserve_pb2_grpc.KVServeStub(channel))
-    asyncio.run_coroutine_threadsafe(grpc_server.stop(None), loop).result(TIMEOUT_S)
+    with grpc.insecure_channel(address) as channel, grpc.insecure_channel(f"127.0.0.1:{keyed_port}") as keyed:
+        yield Server(address, engine, kvserve_pb2_grpc.KVServeStub(channel), kvserve_pb2_grpc.KVServeStub(keyed))
+    for running in (grpc_server, keyed_server):
+        asyncio.run_coroutine_threadsafe(running.stop(None), loop).result(TIMEOUT_S)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(TIMEOUT_S)
     engine.shutdown()
@@ -232,6 +239,30 @@ def test_cancelling_a_stream_aborts_the_engine_request(server, model_dir):
     assert server.stub.Generate(request("Hi", "leaver", max_tokens=2), timeout=TIMEOUT_S).request_id == "leaver"
 
 
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+@pytest.mark.parametrize("metadata", [None, [("authorization", "Bearer wrong")], [("authorization", API_KEY)],
+                                      [("authorization", f"Basic {API_KEY}")], [("x-api-key", API_KEY)]],
+                         ids=["none", "wrong", "no-bearer", "basic", "other-header"])
+def test_api_key_is_required_when_set(server, method, metadata):
+    before = server.engine.stats()["num_generation_tokens"]
+    with pytest.raises(grpc.RpcError) as info:
+        call = getattr(server.keyed_stub, method)(request("Hello", **GREEDY), metadata=metadata, timeout=TIMEOUT_S)
+        list(call) if method == "GenerateStream" else call
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert info.value.details() == "invalid or missing API key: send the metadata `authorization: Bearer <key>`"
+    assert server.engine.stats()["num_generation_tokens"] == before  # nothing ran
+
+
+def test_the_right_api_key_is_served_as_without_a_key(server, offline):
+    expected = reference(offline, "The sky at sunset is", **GREEDY).outputs[0]
+    metadata = [("authorization", f"Bearer {API_KEY}")]
+    unary = server.keyed_stub.Generate(request("The sky at sunset is", **GREEDY), metadata=metadata, timeout=TIMEOUT_S)
+    assert_matches(unary.completions[0], expected)
+    streamed = list(server.keyed_stub.GenerateStream(request("The sky at sunset is", **GREEDY), metadata=metadata,
+                                                     timeout=TIMEOUT_S))
+    assert merge_stream(streamed) == {0: (expected.text, expected.token_ids, "length")}
+
+
 def test_example_client_against_the_server(server, offline):
     expected = reference(offline, "Hello", temperature=0.0, max_tokens=8).outputs[0].text
     for extra in ([], ["--stream", "--app", "kvserve"]):
@@ -266,9 +297,15 @@ class FakeClient:
 
 
 class FakeServeContext:
-    """Duck type of Ray Serve's RayServegRPCContext: set_code / set_details, no abort."""
+    """Duck type of Ray Serve's RayServegRPCContext: set_code / set_details, the client's metadata, no abort."""
 
     code = details = None
+
+    def __init__(self, metadata: list[tuple[str, str]] | None = None) -> None:
+        self.metadata = metadata or []
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.metadata
 
     def set_code(self, code: grpc.StatusCode) -> None:
         self.code = code
@@ -344,3 +381,34 @@ def test_errors_on_a_serve_context_set_the_code_and_reraise(tokenizer, method, e
     with pytest.raises(type(error)):
         asyncio.run(main())
     assert (context.code, context.details) == (code, details)
+
+
+@pytest.mark.parametrize("method", ["generate", "generate_stream"])
+def test_api_key_on_a_serve_context(tokenizer, method):
+    """Behind Serve's proxy the metadata arrives on RayServegRPCContext: a bad key sets UNAUTHENTICATED
+    and raises before the engine sees the request; the right key is served; no context is not checked."""
+    class ThreeTokens(FakeClient):
+        async def generate(self, request_id, prompt_token_ids, params, cache_salt):
+            self.calls = getattr(self, "calls", 0) + 1
+            for step in range(3):
+                yield RequestOutput(request_id, None, prompt_token_ids, [CompletionOutput(0, "x", [step])], step == 2)
+
+    async def call(context, api_key="k") -> list[pb.GenerateResponse]:
+        client = ThreeTokens()
+        try:
+            if method == "generate":
+                return [await grpc_serving.generate(request([1, 2]), client, tokenizer, context, api_key=api_key)]
+            return [m async for m in grpc_serving.generate_stream(request([1, 2]), client, tokenizer, context,
+                                                                  api_key=api_key)]
+        finally:
+            assert getattr(client, "calls", 0) == (0 if context is refused else 1)
+
+    refused = FakeServeContext([("application", "kvserve"), ("authorization", "Bearer nope")])
+    with pytest.raises(grpc_serving.Unauthenticated):
+        asyncio.run(call(refused))
+    assert refused.code == grpc.StatusCode.UNAUTHENTICATED
+    accepted = FakeServeContext([("authorization", "Bearer k")])
+    responses = asyncio.run(call(accepted))
+    assert accepted.code is None and [t for r in responses for c in r.completions for t in c.token_ids] == [0, 1, 2]
+    assert asyncio.run(call(None))  # an in-cluster Python call
+    assert asyncio.run(call(FakeServeContext(), api_key=None))  # no key configured
