@@ -5,7 +5,10 @@ group, and the per-step dispatch.
               ◄────────── ModelRunnerOutput ──── rank 0                 (the others return None)
 
 A step waits for every rank, polling so that a rank that dies is noticed within a second even
-while the survivors block in a collective; the group is then killed whole.
+while the survivors block in a collective; the group is then killed whole. An exception raised
+inside a rank (the rank alive) is not a death: once every rank has answered, the step fails with
+StepFailedError and the group is kept; if the others do not answer within ``RAISED_GRACE_S`` (they
+wait in a collective the raising rank left), the group is wedged and counts as failed.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import dataclasses
 import time
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -22,10 +25,25 @@ from cluster.placement import PlacementError, create_placement_group
 from cluster.ray_env import cluster_has_gpus
 from cluster.worker_actor import WorkerActor
 from engine.config import EngineConfig
-from engine.executor import WorkerFailedError
+from engine.executor import StepFailedError, WorkerFailedError
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 
 POLL_S = 1.0  # how often a step waiting on the ranks checks whether one of them has died
+RAISED_GRACE_S = 5.0  # after a rank raised, how long the others may take to answer
+
+
+def raised_inside(exc: BaseException) -> BaseException | None:
+    """The ordinary exception a rank raised, if ``exc`` is one (the rank alive); None for a dead or
+    unreachable rank (the actor died, its node died, the task was lost)."""
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause
+        return None if cause is None or isinstance(cause, RayError) else cause
+    return None
+
+
+def step_failed(cause: BaseException) -> StepFailedError:
+    message = str(cause).strip().splitlines()
+    return StepFailedError(type(cause).__name__, message[0][:200] if message else "")
 
 
 class WorkerGroup:
@@ -68,7 +86,8 @@ class WorkerGroup:
         return self._wait_all([getattr(a, method).remote(*args) for a in self.actors])
 
     def _wait_all(self, refs: list) -> list:
-        """Results of every rank; WorkerFailedError as soon as any rank fails or dies."""
+        """Results of every rank; WorkerFailedError as soon as any rank dies (or all of them do not
+        answer within the step timeout), StepFailedError when a rank raised and all have answered."""
         deadline = time.monotonic() + self.step_timeout_s
         while True:
             ready, pending = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
@@ -76,11 +95,28 @@ class WorkerGroup:
                 if not pending:
                     return ray.get(refs)
                 ray.get(ready)  # raises if a finished rank failed
-            except (RayActorError, RayTaskError) as exc:
-                raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
+            except RayError as exc:
+                cause = raised_inside(exc)
+                if cause is None:
+                    raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
+                return self._after_raise(refs, cause)
             if time.monotonic() > deadline:
                 raise WorkerFailedError(f"ranks {sorted(refs.index(r) for r in pending)} did not finish a "
                                         f"call within {self.step_timeout_s:g}s")
+
+    def _after_raise(self, refs: list, cause: BaseException):
+        """A rank raised: the group is sound if every other rank answers (each alive); else wedged."""
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=RAISED_GRACE_S)
+        if pending:
+            raise WorkerFailedError(f"a tensor-parallel rank raised {type(cause).__name__} and ranks "
+                                    f"{sorted(refs.index(r) for r in pending)} did not finish the call")
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayError as exc:
+                if raised_inside(exc) is None:
+                    raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
+        raise step_failed(cause) from cause
 
     def determine_num_kv_blocks(self) -> int:
         return min(self._call_all("determine_num_kv_blocks"))
@@ -104,6 +140,9 @@ class WorkerGroup:
         try:
             return ray.get(self._compiled.execute(scheduler_output), timeout=self.step_timeout_s)[0]
         except Exception as exc:
+            cause = raised_inside(exc)
+            if cause is not None:  # every output arrived: the ranks are alive
+                raise step_failed(cause) from cause
             raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
 
     def kv_cache_info(self) -> list[dict]:

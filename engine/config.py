@@ -141,12 +141,21 @@ class EngineConfig:
     attention_backend: str = "auto"
     # attend once per step to leading blocks that running requests share (backends that support it)
     cascade_attention: bool = True
+    # lost ranks are rebuilt at most this many times within the window (then the engine is dead);
+    # each rebuild after the first in the window waits restart_backoff_s, doubling
+    max_worker_restarts: int = 3
+    worker_restart_window_s: float = 600.0
+    worker_restart_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
+        if not self.worker_restart_window_s > 0 or not self.worker_restart_backoff_s >= 0:
+            raise ValueError("worker_restart_window_s must be > 0 and worker_restart_backoff_s >= 0")
 
     @property
     def max_model_len(self) -> int:

@@ -13,7 +13,7 @@ import time
 from collections import deque
 
 from engine.config import EngineConfig
-from engine.executor import Executor, WorkerFailedError, create_executor
+from engine.executor import Executor, StepFailedError, WorkerFailedError, create_executor
 from engine.messages import RequestOutput
 from engine.metrics import StepTimings
 from engine.output_processor import OutputProcessor
@@ -64,6 +64,8 @@ class EngineCore:
         self.timings = StepTimings()
         self._eos_token_ids = frozenset(config.model.eos_token_ids)
         self.num_worker_restarts = 0
+        self._restart_times: deque[float] = deque()  # monotonic times of the rebuilds in the window
+        self._dead: EngineDeadError | None = None  # set once the ranks are given up on
         self.num_failed_steps = 0  # steps that raised (not counting lost ranks)
         self.num_failed_requests = 0  # requests failed because a step that held them alone raised
         # requests of a step that raised, to be run one per step until the one that fails alone is found
@@ -173,6 +175,8 @@ class EngineCore:
         (its output carries ``error``), the others produce exactly the tokens they would have.
         A lost rank rebuilds the ranks and recomputes every running request; an interruption
         (KeyboardInterrupt) rolls the step back and raises."""
+        if self._dead is not None:
+            raise self._dead
         start = time.perf_counter()
         only = self._next_suspect()
         scheduler_output = self.scheduler.schedule(only=only)
@@ -229,20 +233,38 @@ class EngineCore:
             return []
         self.num_failed_requests += 1
         self.scheduler.finish_requests(self.outputs.sample_ids_of(request_id), RequestStatus.FINISHED_ERROR)
-        output = self.outputs.fail(request_id, f"the engine failed while running this request "
-                                               f"({type(exc).__name__})")
+        kind = exc.kind if isinstance(exc, StepFailedError) else type(exc).__name__
+        output = self.outputs.fail(request_id, f"the engine failed while running this request ({kind})")
         return [output] if output is not None else []
 
     def _recover(self, failure: WorkerFailedError) -> None:
         """Rebuild the ranks and recompute every running request; the step that failed is lost
-        whole (its tokens were never appended). Raises EngineDeadError if the ranks cannot be rebuilt."""
+        whole (its tokens were never appended). At most ``max_worker_restarts`` rebuilds within
+        ``worker_restart_window_s`` (a failure that comes back after every rebuild must not loop
+        forever), each after the first waiting a doubling backoff; beyond that, or if the ranks
+        cannot be rebuilt, the engine is dead: this and every later step raise EngineDeadError."""
+        cfg = self.config
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > cfg.worker_restart_window_s:
+            self._restart_times.popleft()
+        recent = len(self._restart_times)
+        if recent >= cfg.max_worker_restarts:
+            self._dead = EngineDeadError(
+                f"the workers failed again after {recent} restarts within "
+                f"{cfg.worker_restart_window_s:g} s; the engine gives up on them")
+            logger.error("engine step failed (%s): %s", failure, self._dead)
+            raise self._dead
         logger.warning("engine step failed (%s); restarting the workers", failure)
+        if recent:
+            time.sleep(cfg.worker_restart_backoff_s * 2 ** (recent - 1))
+        self._restart_times.append(time.monotonic())
+        self.num_worker_restarts += 1
         try:
             self.executor.restart()
         except Exception as exc:
-            raise EngineDeadError(f"the workers failed ({failure}) and could not be restarted: {exc}") from exc
+            self._dead = EngineDeadError(f"the workers failed and could not be restarted: {exc}")
+            raise self._dead from exc
         self.scheduler.recompute_all()
-        self.num_worker_restarts += 1
 
     # --- introspection ------------------------------------------------------------------------------
 

@@ -16,7 +16,16 @@ EXECUTORS = {
 
 
 class WorkerFailedError(RuntimeError):
-    """A rank died or failed mid-step; the executor may be able to ``restart``."""
+    """A rank died (or hangs): its state is lost; the executor may be able to ``restart``."""
+
+
+class StepFailedError(RuntimeError):
+    """A step raised inside a rank, and every rank is alive and answered: the ranks need no
+    rebuild, the step is rolled back. ``kind`` names the exception the rank raised."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
 
 
 class Executor(ABC):

@@ -38,6 +38,9 @@ def engine_config(
     tp_dispatch: str = "remote",
     attention_backend: str = "auto",
     cascade_attention: bool = True,
+    max_worker_restarts: int = 3,
+    worker_restart_window_s: float = 600.0,
+    worker_restart_backoff_s: float = 1.0,
 ) -> EngineConfig:
     """An ``EngineConfig`` from the flat keyword arguments users know from vLLM."""
     return EngineConfig(
@@ -50,6 +53,9 @@ def engine_config(
         seed=seed,
         attention_backend=attention_backend,
         cascade_attention=cascade_attention,
+        max_worker_restarts=max_worker_restarts,
+        worker_restart_window_s=worker_restart_window_s,
+        worker_restart_backoff_s=worker_restart_backoff_s,
     )
 
 

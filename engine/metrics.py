@@ -89,6 +89,9 @@ _COUNTERS = {
     "num_preemptions": ("num_preemptions_total", "Requests preempted (recompute)."),
     "num_prompt_tokens": ("prompt_tokens_total", "Prompt tokens admitted."),
     "num_generation_tokens": ("generation_tokens_total", "Tokens generated."),
+    "num_worker_restarts": ("worker_restarts_total", "Times the engine rebuilt its ranks after losing one."),
+    "num_failed_steps": ("failed_steps_total", "Engine steps that raised (rolled back, not counting lost ranks)."),
+    "num_failed_requests": ("failed_requests_total", "Requests failed because a step that held them alone raised."),
 }
 _GAUGES = {
     "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens."),
