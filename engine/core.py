@@ -138,13 +138,19 @@ class EngineCore:
     ) -> None:
         """Add a request whose prompt went through ``process_inputs``. ``n`` > 1 becomes n sibling
         requests that share the prompt's blocks once the first has computed them."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"a request id must be a non-empty string, got {request_id!r}")
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_sampling_params(params)
+        # the samples' own ids: "<request id>#<index>" for every n (n = 1 too), so they never collide
+        # across requests: the text after the last "#" is the index, the rest the request id
+        sample_ids = [f"{request_id}#{i}" for i in range(params.n)]
+        if any(s in self.scheduler.requests for s in sample_ids):  # cannot happen; checked before any change
+            raise ValueError(f"request id {request_id!r} is already in use")
         arrival_time = time.time() if arrival_time is None else arrival_time
         max_len = self.config.max_model_len
         max_tokens = max(1, min(params.max_tokens or max_len, max_len - len(prompt_token_ids)))
-        sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         self.outputs.add_request(request_id, prompt, prompt_token_ids, params, sample_ids, arrival_time)
         first: Request | None = None
         for i, sample_id in enumerate(sample_ids):
