@@ -20,21 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hmac
+import logging
 import math
-import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Literal
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi.responses import JSONResponse
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from api import grpc_serving
+from api.engine_client import OpenAIError
 from api.http_app import build_openai_app
 from api.openai_serving import OpenAIServing
 from cluster.scheduler_actor import launch_scheduler_actor
@@ -47,6 +51,15 @@ from engine.tokenizer import Tokenizer
 
 ENGINE_NAMESPACE = "kvserve"
 ROUTING_STATS_PERIOD_S = 1.0
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
+ENGINE_START_TIMEOUT_S = 600.0
+NAME_RELEASE_S = 10.0  # how long a rebuilt engine waits for its dead predecessor's name
+RETRY_AFTER_S = 2  # the Retry-After of every 503
+ENGINE_STOPPED = "the engine stopped"
+NO_ENGINE = "no engine replica is serving yet (starting, restarting or waiting for resources); retry shortly"
+
+logger = logging.getLogger("ray.serve")
 
 
 class AppArgs(BaseModel):
@@ -88,6 +101,9 @@ class AppArgs(BaseModel):
     # logical CPUs of each Ingress and LLMServer replica (and of the scheduler actor at tp > 1); default
     # 0.5, less, down to none, where the cluster's CPUs are too few (see plan_reservations)
     proxy_cpus: float | None = Field(None, ge=0)
+    # times a replica rebuilds its scheduler actor in place after it died; beyond, its health check fails
+    # and Serve replaces the replica
+    max_engine_restarts: int = Field(3, ge=0)
 
     @property
     def autoscaling(self) -> bool:
@@ -111,66 +127,166 @@ class AppArgs(BaseModel):
         return low, self.max_replicas if self.max_replicas is not None else max(1, low)
 
 
+class EngineUnavailableError(OpenAIError, EngineDeadError):
+    """No engine can take the request now, but one is (re)starting: HTTP 503 with Retry-After, gRPC
+    UNAVAILABLE. Raised while a replica's scheduler actor is being rebuilt, while no engine replica of
+    the application answers, and to the requests in flight on an engine that died."""
+
+    def __init__(self, message: str) -> None:
+        OpenAIError.__init__(self, 503, message, "server_error", code="engine_unavailable")
+
+
+def _cause(exc: RayTaskError) -> BaseException:
+    """The exception a remote call raised, without Ray's wrapping (task names, pids, tracebacks); an
+    engine that died under it becomes EngineUnavailableError."""
+    cause = exc.cause
+    if isinstance(cause, RayActorError):
+        return EngineUnavailableError(ENGINE_STOPPED)
+    return cause if isinstance(cause, Exception) else exc
+
+
 class LLMServer:
-    """One engine instance: starts its scheduler actor (and ranks) in this replica's placement group."""
+    """One engine instance: starts its scheduler actor (and ranks) in this replica's placement group.
+
+    A scheduler actor that dies is noticed by the next call to it (a request, the routing-stats
+    refresh every second, the health check) and rebuilt in place, in the same bundles, up to
+    ``max_engine_restarts`` times; meanwhile requests are refused with EngineUnavailableError. A
+    rebuild that fails, or one more death, makes ``check_health`` fail: Serve then replaces the
+    replica (and its placement group)."""
 
     async def __init__(self, config: EngineConfig, args: AppArgs, use_gpu: bool, plan: Reservations) -> None:
         ctx = serve.get_replica_context()
         tp = config.parallel.tensor_parallel_size
         self.engine_name = f"engine:{ctx.app_name}:{ctx.replica_tag}"
-        self.engine = launch_scheduler_actor(
-            config,
+        self._config = config
+        self._launch_options = dict(
             placement_group=ray.util.get_current_placement_group(), bundle_index=plan.engine_bundle,
             first_rank_bundle=plan.first_rank_bundle, num_cpus=plan.engine_cpus,
             num_gpus=1 if use_gpu and tp == 1 else 0,
             name=self.engine_name, namespace=ENGINE_NAMESPACE,
             max_waiting_requests=args.max_waiting_requests,
             torch_threads=(args.torch_threads or max(1, int(args.engine_cpus))) if tp == 1 else None,
-            wait=False,
         )
-        await self.engine.ready.remote()
+        self.max_engine_restarts = args.max_engine_restarts
+        self.num_engine_restarts = 0
+        self._restarting: asyncio.Task | None = None
+        self._dead: str | None = None  # why this replica can serve no more (its health check fails)
+        self.engine = await self._start_engine()
         self._routing_stats: dict = {}
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_routing_stats())
+
+    async def _start_engine(self):
+        deadline = time.monotonic() + NAME_RELEASE_S
+        while True:
+            try:
+                actor = launch_scheduler_actor(self._config, **self._launch_options, wait=False)
+                break
+            except ValueError as exc:  # the name of an engine that just died is released a moment later
+                if "already taken" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+        try:
+            await actor.ready.remote()
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+        return actor
+
+    def _live_engine(self):
+        """The engine, or EngineUnavailableError while there is none to serve."""
+        if self._dead is not None:
+            raise EngineUnavailableError(f"{ENGINE_STOPPED} ({self._dead}); a new replica is starting")
+        if self._restarting is not None:
+            raise EngineUnavailableError("the engine is restarting; retry shortly")
+        return self.engine
+
+    def _engine_died(self, engine, exc: BaseException) -> None:
+        """``engine`` answered a call with ``exc``: if it died, rebuild it (once per death)."""
+        if not isinstance(exc, ActorDiedError) or engine is not self.engine:
+            return  # a transient error, or news of an engine already replaced
+        if self._restarting is not None or self._dead is not None:
+            return
+        if self.num_engine_restarts >= self.max_engine_restarts:
+            self._dead = f"the engine died after max_engine_restarts={self.max_engine_restarts} restarts"
+            logger.error("%s: %s", self.engine_name, self._dead)
+            return
+        logger.warning("%s died; starting a new one in the same bundles", self.engine_name)
+        self._restarting = asyncio.get_running_loop().create_task(
+            self._restart_engine(engine), context=contextvars.Context())  # not a child of a request's task
+
+    async def _restart_engine(self, dead) -> None:
+        self.num_engine_restarts += 1
+        started = time.monotonic()
+        try:
+            ray.kill(dead, no_restart=True)
+            self.engine = await asyncio.wait_for(self._start_engine(), timeout=ENGINE_START_TIMEOUT_S)
+            logger.warning("%s serves again after %.1fs", self.engine_name, time.monotonic() - started)
+        except Exception as exc:  # noqa: BLE001 - reported by the health check, which makes Serve replace us
+            self._dead = f"the engine could not be restarted: {type(exc).__name__}"
+            logger.error("%s: %s", self.engine_name, self._dead, exc_info=exc)
+        finally:
+            self._restarting = None
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None, subscriber: str = ""):
         """Admit the request into this replica's engine and yield the engine's actor name: the outputs
         flow from that actor to ``subscriber`` on its multiplexed stream. The call stays open until the
         request ends, so Serve counts it as ongoing here; cancelled first, it aborts the request."""
+        engine = self._live_engine()
         try:
-            await self.engine.add_request.remote(request_id, prompt_token_ids, params, cache_salt, subscriber)
+            await engine.add_request.remote(request_id, prompt_token_ids, params, cache_salt, subscriber)
         except RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
+            raise _cause(exc) from None
+        except RayActorError as exc:
+            self._engine_died(engine, exc)
+            raise EngineUnavailableError(ENGINE_STOPPED + "; retry shortly") from None
         finished = False
         try:
             yield self.engine_name
-            await self.engine.wait_finished.remote(request_id)
+            await engine.wait_finished.remote(request_id)
             finished = True
+        except RayActorError as exc:  # the request's own stream reports it to the Ingress
+            finished = True
+            self._engine_died(engine, exc)
         finally:
             if not finished:
-                self.engine.abort.remote(request_id)
+                engine.abort.remote(request_id)
 
     async def _refresh_routing_stats(self) -> None:
         while True:
+            engine = self.engine
             try:
-                self._routing_stats = await self.engine.routing_stats.remote()
-            except Exception:  # noqa: BLE001 - the health check reports a dead engine
-                pass
+                if self._restarting is None and self._dead is None:
+                    self._routing_stats = await engine.routing_stats.remote()
+            except Exception as exc:  # noqa: BLE001 - a dead engine is rebuilt, or reported by the health check
+                self._engine_died(engine, exc)
             await asyncio.sleep(ROUTING_STATS_PERIOD_S)
 
     def record_routing_stats(self) -> dict:
         return self._routing_stats
 
     async def stats(self) -> dict:
-        return await self.engine.stats.remote()
+        return await self._live_engine().stats.remote()
 
     async def placement(self) -> dict:
         """Placement group ids of this replica, its scheduler actor and its ranks."""
         return {"replica": ray.get_runtime_context().get_placement_group_id(),
-                **await self.engine.placement.remote()}
+                **await self._live_engine().placement.remote()}
 
     async def check_health(self) -> None:
-        await asyncio.wait_for(self.engine.ready.remote(), timeout=30)
+        """Serve's health check: fails when the engine is dead for good (Serve then replaces this
+        replica) or does not answer; passes while a rebuild is under way."""
+        if self._dead is not None:
+            raise RuntimeError(self._dead)
+        if self._restarting is not None:
+            return
+        engine = self.engine
+        try:
+            await asyncio.wait_for(engine.ready.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
+        except RayActorError as exc:
+            self._engine_died(engine, exc)
+            if self._dead is not None or self._restarting is None:
+                raise RuntimeError(self._dead or f"the engine does not answer: {type(exc).__name__}") from None
 
 
 class ServeEngineClient:
@@ -182,8 +298,9 @@ class ServeEngineClient:
     instead of one per token per request.
     """
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, engines: EngineWatch) -> None:
         self.handle = handle
+        self.engines = engines
         self.subscriber = f"ingress-{uuid.uuid4().hex}"
         self._queues: dict[str, asyncio.Queue] = {}
         self._engine_of: dict[str, str] = {}
@@ -191,6 +308,8 @@ class ServeEngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None):
+        if not await self.engines.available():  # else the request would wait for a replica that may never come
+            raise EngineUnavailableError(NO_ENGINE)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         call = self.handle.options(stream=True).generate.remote(
@@ -199,12 +318,16 @@ class ServeEngineClient:
         try:
             try:
                 engine_name = await call.__anext__()
-            except RayTaskError as exc:  # refused by the engine: nothing to cancel
+            except RayTaskError as exc:  # refused by the replica or its engine: nothing to cancel
                 finished = True
-                raise exc.as_instanceof_cause() from None
-            except BackPressureError as exc:  # refused by Serve's router
+                raise _cause(exc) from None
+            except RayActorError:  # the replica died under the call
                 finished = True
-                raise EngineOverloadedError(f"every replica is at its queue bound: {exc}") from None
+                self.engines.recheck()
+                raise EngineUnavailableError(ENGINE_STOPPED + "; retry shortly") from None
+            except BackPressureError:  # refused by Serve's router
+                finished = True
+                raise EngineOverloadedError("every replica is at its queue bound; retry later") from None
             self._engine_of[request_id] = engine_name
             self._subscribe(engine_name)
             while not finished:
@@ -241,7 +364,9 @@ class ServeEngineClient:
                     if queue is not None:
                         queue.put_nowait(item)
         except Exception as exc:  # noqa: BLE001 - every request of that engine fails with it
-            error = EngineDeadError(f"the engine {engine_name} stopped: {exc!r}")
+            logger.warning("the stream of %s ended: %s", engine_name, type(exc).__name__)
+            self.engines.recheck()
+            error = EngineUnavailableError(ENGINE_STOPPED + " while serving this request; retry shortly")
             for request_id, name in list(self._engine_of.items()):
                 if name == engine_name and request_id in self._queues:
                     self._queues[request_id].put_nowait(error)
@@ -252,20 +377,115 @@ class ServeEngineClient:
             ray.get_actor(engine_name, namespace=ENGINE_NAMESPACE).abort.remote(request_id)
 
 
+class EngineWatch:
+    """Whether an engine of this application serves: its scheduler actors (named
+    ``engine:<app>:<replica>``) are asked ``ready``, at most once a second. While an application that
+    keeps at least one replica (``min_engines`` > 0; autoscaling from zero has none to ask) has no
+    engine answering, the Ingress refuses requests with 503 instead of leaving them waiting for a
+    replica that is starting, being replaced, or cannot be placed."""
+
+    PERIOD_S = 1.0
+    PING_TIMEOUT_S = 1.0
+
+    def __init__(self, app_name: str, min_engines: int) -> None:
+        self.prefix = f"engine:{app_name}:"
+        self.min_engines = min_engines
+        self._num_up = 0
+        self._checked_at = -math.inf
+        self._lock: asyncio.Lock | None = None
+
+    def recheck(self) -> None:
+        """Ask again on the next call (an engine was seen to stop)."""
+        self._checked_at = -math.inf
+
+    async def available(self) -> bool:
+        if self.min_engines == 0:
+            return True
+        return await self.num_up() > 0
+
+    async def num_up(self) -> int:
+        if time.monotonic() - self._checked_at < self.PERIOD_S:
+            return self._num_up
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:  # one lookup for every request that arrives meanwhile
+            if time.monotonic() - self._checked_at >= self.PERIOD_S:
+                actors = await asyncio.get_running_loop().run_in_executor(None, self._actors)
+                answers = await asyncio.gather(*(self._ping(a) for a in actors))
+                self._num_up, self._checked_at = sum(answers), time.monotonic()
+        return self._num_up
+
+    def _actors(self) -> list:
+        actors = []
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry.get("namespace") == ENGINE_NAMESPACE and entry["name"].startswith(self.prefix):
+                try:
+                    actors.append(ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE))
+                except ValueError:  # gone between the listing and the lookup
+                    pass
+        return actors
+
+    async def _ping(self, actor) -> bool:
+        try:
+            await asyncio.wait_for(actor.ready.remote(), timeout=self.PING_TIMEOUT_S)
+            return True
+        except Exception:  # noqa: BLE001 - dead, still starting, or not answering
+            return False
+
+
+class EngineGate:
+    """ASGI middleware of the Ingress's HTTP app: /health and /v1/models answer 503, with an OpenAI
+    error body, while no engine serves (a key still guards /v1/models: a bad one gets the app's 401);
+    every 503 the app sends (queue full, no engine, an engine restarting) carries Retry-After."""
+
+    GATED = ("/health", "/v1/models")
+
+    def __init__(self, app, available, api_key: str | None) -> None:
+        self.app, self.available, self.api_key = app, available, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] in self.GATED and self._authorized(scope) and not await self.available():
+            body = EngineUnavailableError(NO_ENGINE).body()
+            response = JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+            await response(scope, receive, send)
+            return
+
+        async def send_with_retry_after(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"retry-after" for name, _ in headers):
+                    headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_retry_after)
+
+    def _authorized(self, scope) -> bool:
+        if self.api_key is None or scope["path"] == "/health":
+            return True
+        given = dict(scope.get("headers", [])).get(b"authorization", b"")
+        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
+
+
 class Ingress:
     """HTTP (OpenAI API), gRPC and Python-handle entry point of the application."""
 
     def __init__(self, llm_server: DeploymentHandle, model_dir: str, served_model_name: str,
-                 max_model_len: int, api_key: str | None, stream_interval: int = 1) -> None:
+                 max_model_len: int, api_key: str | None, stream_interval: int = 1, min_engines: int = 1) -> None:
         self.tokenizer = Tokenizer(model_dir)
-        self.client = ServeEngineClient(llm_server)
+        self.app_name = serve.get_replica_context().app_name
+        self.engines = EngineWatch(self.app_name, min_engines)
+        self.client = ServeEngineClient(llm_server, self.engines)
         self.serving = OpenAIServing(self.client, self.tokenizer, served_model_name, max_model_len, stream_interval)
         self.served_model_name = served_model_name
         self.api_key = api_key
-        self.app_name = serve.get_replica_context().app_name
 
     def __serve_build_asgi_app__(self):
-        return build_openai_app(lambda: self.serving, api_key=self.api_key, metrics_text=self.metrics_text)
+        app = build_openai_app(lambda: self.serving, api_key=self.api_key, metrics_text=self.metrics_text)
+        app.add_middleware(EngineGate, available=self.engines.available, api_key=self.api_key)
+        return app
 
     async def metrics_text(self) -> str:
         """Prometheus text for every LLMServer replica of this application."""
@@ -435,7 +655,8 @@ def build_app(args: AppArgs | dict | None = None):
         # more while no replica has room, and refuses the rest (BackPressureError -> 503)
         "max_ongoing_requests": args.max_num_seqs + args.max_waiting_requests,
         "max_queued_requests": args.max_num_seqs + args.max_waiting_requests,
-        "health_check_period_s": 10,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S + 5,
     }
     if args.autoscaling:
         low, high = args.replica_range
@@ -458,8 +679,9 @@ def build_app(args: AppArgs | dict | None = None):
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name="Ingress", ray_actor_options={"num_cpus": plan.ingress_cpus}, max_ongoing_requests=10_000,
     )
+    min_engines = args.replica_range[0] if args.autoscaling else (args.num_replicas or 1)
     return ingress.bind(llm_server, args.model, served_name, config.max_model_len, args.api_key,
-                        args.stream_interval)
+                        args.stream_interval, min_engines)
 
 
 app = build_app

@@ -16,7 +16,7 @@ def test_cli_strings_are_converted_and_checked(model_dirs):
     for bad in ({"tensor_parallel_size": "two"}, {"bogus_option": 1}, {"dtype": "int4"}, {"router": "random"},
                 {"num_replicas": 2, "min_replicas": 1}, {"min_replicas": 3, "max_replicas": 2},
                 {"stream_interval": 0}, {"engine_cpus": 0}, {"proxy_cpus": -1},
-                {"tensor_parallel_size": 2, "engine_cpus": 0.5}):
+                {"tensor_parallel_size": 2, "engine_cpus": 0.5}, {"max_engine_restarts": -1}):
         with pytest.raises(ValidationError):
             AppArgs.model_validate(bad)
 

@@ -1,0 +1,153 @@
+"""A scheduler actor that dies under Serve: its replica rebuilds it in place; meanwhile new requests get
+503 with Retry-After (gRPC UNAVAILABLE), /health and /v1/models 503, the requests in flight end with
+a clean error, nothing hangs; with no restarts allowed the health check fails and Serve replaces the
+replica."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from api import kvserve_pb2 as pb
+from api import kvserve_pb2_grpc as pb_grpc
+from tests.serve.serve_harness import metrics, start_serve, stop_serve, wait_for
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def served():
+    base_url, grpc_address = start_serve()
+    yield {"url": base_url, "grpc": grpc_address}
+    stop_serve()
+
+
+def deploy(model_dir: str, app: str, **extra) -> None:
+    from ray import serve
+
+    from serve_app import build_app
+
+    args = {"model": model_dir, "served_model_name": MODEL, "max_num_seqs": 4, "num_kv_blocks": 256, **extra}
+    serve.run(build_app(args), name=app, route_prefix="/")
+
+
+def engine_names(app: str) -> list[str]:
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == "kvserve" and a["name"].startswith(f"engine:{app}:"))
+
+
+def kill_engine(app: str) -> str:
+    import ray
+
+    [name] = engine_names(app)
+    ray.kill(ray.get_actor(name, namespace="kvserve"), no_restart=True)
+    return name
+
+
+def complete(url: str, timeout: float = 30) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 3},
+                      timeout=timeout)
+
+
+def assert_unavailable(r: httpx.Response) -> None:
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == "2"
+    error = r.json()["error"]
+    assert error["code"] == "engine_unavailable" and error["type"] == "server_error"
+    assert "Ray" not in error["message"] and "pid" not in error["message"], error["message"]
+
+
+def until_served(url: str, timeout_s: float) -> tuple[float, list[httpx.Response]]:
+    """Completions one after another until one succeeds: (seconds it took, the refusals before it)."""
+    start = time.monotonic()
+    refused = []
+    while time.monotonic() - start < timeout_s:
+        r = complete(url)
+        if r.status_code == 200:
+            return time.monotonic() - start, refused
+        refused.append(r)
+        time.sleep(0.2)
+    raise AssertionError(f"no completion within {timeout_s}s; last: {refused[-1].status_code} {refused[-1].text}")
+
+
+def test_a_killed_scheduler_actor_is_rebuilt_and_refusals_are_clean(served, model_dirs):
+    url = served["url"]
+    deploy(model_dirs["llama"], "recover")
+    assert complete(url).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200
+
+    in_flight: dict = {}
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "a long one", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            in_flight["status"] = response.status_code
+            in_flight["lines"] = list(response.iter_lines())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_for(lambda: metrics(url)["kvserve:num_requests_running"] == 1, timeout_s=30, interval_s=0.2)
+    killed = kill_engine("recover")
+
+    # at once: the engine is gone and its successor takes seconds to start
+    stub = pb_grpc.KVServeStub(grpc.insecure_channel(served["grpc"]))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(pb.GenerateRequest(text="hi", params=pb.SamplingParameters(max_tokens=2)),
+                      metadata=[("application", "recover")], timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert_unavailable(complete(url))
+    health = wait_for(lambda: (r := httpx.get(f"{url}/health", timeout=10)).status_code == 503 and r,
+                      timeout_s=10, interval_s=0.1)
+    assert_unavailable(health)
+    models = httpx.get(f"{url}/v1/models", timeout=10)
+    assert_unavailable(models)
+
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "the request in flight hangs"
+    assert in_flight["status"] == 200  # the stream had started: it ends with an error event
+    events = [line.removeprefix("data: ") for line in in_flight["lines"] if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 3  # some tokens came before the kill
+    error = json.loads(events[-2])["error"]
+    assert (error["code"], error["message"]) == (
+        "engine_unavailable", "the engine stopped while serving this request; retry shortly")
+
+    seconds, refused = until_served(url, timeout_s=60)
+    for r in refused:
+        assert_unavailable(r)
+    print(f"a completion succeeds again {seconds:.1f}s after the first refusal")
+    assert engine_names("recover") == [killed]  # the same replica, a new actor under the same name
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == [MODEL]
+    reply = stub.Generate(pb.GenerateRequest(text="hi", params=pb.SamplingParameters(max_tokens=2, ignore_eos=True)),
+                          metadata=[("application", "recover")], timeout=30)
+    assert reply.usage.completion_tokens == 2
+    final = metrics(url)
+    assert final["kvserve:num_requests_running"] == 0 and final["kvserve:kv_cache_usage_perc"] == 0.0
+    from ray import serve
+
+    serve.delete("recover")
+
+
+def test_without_restarts_the_health_check_fails_and_serve_replaces_the_replica(served, model_dirs):
+    url = served["url"]
+    deploy(model_dirs["llama"], "replace", max_engine_restarts=0)
+    assert complete(url).status_code == 200
+    killed = kill_engine("replace")
+    assert_unavailable(complete(url))
+    seconds, refused = until_served(url, timeout_s=90)
+    for r in refused:
+        assert_unavailable(r)
+    print(f"a new replica serves {seconds:.1f}s after the first refusal")
+    [now] = engine_names("replace")
+    assert now != killed  # another replica's engine
+    assert httpx.get(f"{url}/health").status_code == 200
+    from ray import serve
+
+    serve.delete("replace")
