@@ -146,6 +146,12 @@ class EngineConfig:
     max_worker_restarts: int = 3
     worker_restart_window_s: float = 600.0
     worker_restart_backoff_s: float = 1.0
+    # what one request may ask for (its work is bounded by these): samples, logprobs per token,
+    # stop strings and stop token ids
+    max_n: int = 128
+    max_logprobs: int = 20
+    max_stop_sequences: int = 64
+    max_stop_token_ids: int = 1024
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -154,6 +160,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
+        for name in ("max_n", "max_logprobs", "max_stop_sequences", "max_stop_token_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "max_logprobs" else 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not self.worker_restart_window_s > 0 or not self.worker_restart_backoff_s >= 0:
             raise ValueError("worker_restart_window_s must be > 0 and worker_restart_backoff_s >= 0")
 

@@ -104,12 +104,27 @@ class EngineCore:
         return text, token_ids
 
     def check_sampling_params(self, params: SamplingParams) -> None:
-        """Raise ValueError for what SamplingParams cannot check alone: token ids outside the vocab
-        (a stop token id past the vocab would crash the sampler's min_tokens mask mid-step)."""
+        """Raise ValueError for what SamplingParams cannot check alone: the engine's caps on what one
+        request may ask for (``max_n``, ``max_logprobs``, ``max_stop_sequences``,
+        ``max_stop_token_ids``) and token ids outside the vocab (a stop token id past the vocab
+        would crash the sampler's min_tokens mask mid-step)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
-        vocab_size = self.config.model.vocab_size
+        cfg = self.config
+        vocab_size = cfg.model.vocab_size
+        if params.n > cfg.max_n:
+            raise ValueError(f"n must be at most {cfg.max_n} (the engine's max_n), got {params.n}")
+        max_logprobs = min(cfg.max_logprobs, vocab_size)
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise ValueError(f"logprobs must be at most {max_logprobs} (the engine's max_logprobs), "
+                             f"got {params.logprobs}")
+        if len(params.stop) > cfg.max_stop_sequences:
+            raise ValueError(f"at most {cfg.max_stop_sequences} stop strings are allowed (the engine's "
+                             f"max_stop_sequences), got {len(params.stop)}")
+        if len(params.stop_token_ids) > cfg.max_stop_token_ids:
+            raise ValueError(f"at most {cfg.max_stop_token_ids} stop_token_ids are allowed (the engine's "
+                             f"max_stop_token_ids), got {len(params.stop_token_ids)}")
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
 

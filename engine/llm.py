@@ -41,6 +41,10 @@ def engine_config(
     max_worker_restarts: int = 3,
     worker_restart_window_s: float = 600.0,
     worker_restart_backoff_s: float = 1.0,
+    max_n: int = 128,
+    max_logprobs: int = 20,
+    max_stop_sequences: int = 64,
+    max_stop_token_ids: int = 1024,
 ) -> EngineConfig:
     """An ``EngineConfig`` from the flat keyword arguments users know from vLLM."""
     return EngineConfig(
@@ -56,6 +60,10 @@ def engine_config(
         max_worker_restarts=max_worker_restarts,
         worker_restart_window_s=worker_restart_window_s,
         worker_restart_backoff_s=worker_restart_backoff_s,
+        max_n=max_n,
+        max_logprobs=max_logprobs,
+        max_stop_sequences=max_stop_sequences,
+        max_stop_token_ids=max_stop_token_ids,
     )
 
 

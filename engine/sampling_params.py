@@ -7,7 +7,7 @@ import numbers
 from dataclasses import dataclass, replace
 from enum import Enum
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the default of the engine's max_logprobs
 _GREEDY_TEMPERATURE = 1e-5
 # what the workers hold these values in: int32 counts and token ids, an int64 seed, float32 numbers
 INT32_MAX = 2**31 - 1
@@ -111,7 +111,7 @@ class SamplingParams:
         check_int("min_tokens", 0, INT32_MAX)
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        check_int("logprobs", 0, MAX_LOGPROBS, optional=True)
+        check_int("logprobs", 0, INT32_MAX, optional=True)  # the engine caps it (max_logprobs)
         check_float("presence_penalty", -2.0, 2.0)
         check_float("frequency_penalty", -2.0, 2.0)
         check_float("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, low_open=True)
