@@ -3,7 +3,8 @@
 Invariants (checked by the property tests):
 - block 0 is the null block: never handed out, never freed, never in the free queue;
 - for every other block: ref_cnt == 0  <=>  the block is in the free queue;
-- a block in the hash map has that hash, and carries the token ids it was cached with.
+- a block in the hash map has that hash, and carries the token ids it was cached with;
+- every block that carries a hash is in the map under it (duplicates too: hash -> {block id: block}).
 
 A freed block keeps its hash until it is handed out again: that is the prefix cache. The free queue
 is ordered for eviction, least recently freed at the head::
@@ -87,7 +88,10 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        # hash -> the blocks that hold it: a block computed again (a prompt exactly k blocks long
+        # recomputes its last block) is kept as a duplicate, findable once the first copy is evicted
+        self.cached: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self.num_cached_blocks = 0
         self.num_evictions = 0
 
     @property
@@ -109,28 +113,43 @@ class BlockPool:
         return self.num_used_blocks / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
-        block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
+        """A block holding ``block_hash`` with these tokens; one in use first (no eviction order to
+        disturb), else any."""
+        blocks = self.cached.get(block_hash)
+        if not blocks:
             return None
-        return block
+        found = None
+        for block in blocks.values():
+            if block.token_ids == token_ids:
+                if block.ref_cnt:
+                    return block
+                found = found or block
+        return found
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
-        """Record a now-full block under its hash. A block already cached keeps its entry; when another
-        block holds the same hash already, this one stays out of the map (a duplicate, evicted first
-        come, first served)."""
+        """Record a now-full block under its hash (next to any other block with the same contents).
+        A block already cached keeps its entry. Returns whether the block was entered."""
         if block.block_hash is not None or block.is_null:
             return False
         block.block_hash, block.token_ids = block_hash, token_ids
-        self.cached.setdefault(block_hash, block)
+        self.cached.setdefault(block_hash, {})[block.block_id] = block
+        self.num_cached_blocks += 1
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Forget a block's hash (its KV was never written: the step that was to write it failed)."""
+        self._forget(block)
+
+    def _forget(self, block: KVCacheBlock) -> bool:
         if block.block_hash is None:
-            return
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
+            return False
+        blocks = self.cached.get(block.block_hash)
+        if blocks is not None and blocks.pop(block.block_id, None) is not None:
+            self.num_cached_blocks -= 1
+            if not blocks:
+                del self.cached[block.block_hash]
         block.block_hash = block.token_ids = None
+        return True
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` from the head of the free queue (evicting their cached contents)."""
@@ -145,12 +164,8 @@ class BlockPool:
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is None:
-            return
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-        block.block_hash = block.token_ids = None
-        self.num_evictions += 1
+        if self._forget(block):
+            self.num_evictions += 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks another request is sharing (prefix hit or fork)."""
@@ -178,4 +193,5 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = block.token_ids = None
         self.cached.clear()
+        self.num_cached_blocks = 0
         return True

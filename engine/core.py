@@ -300,7 +300,7 @@ class EngineCore:
             "num_preemptions": s.num_preemptions,
             "num_blocks_in_use": pool.num_used_blocks,
             "num_kv_blocks": pool.num_blocks,
-            "num_cached_blocks": len(pool.cached),
+            "num_cached_blocks": pool.num_cached_blocks,
             "kv_cache_usage": pool.usage,
             "kv_cache_waste": self._waste_now(),
             "kv_cache_usage_peak": s.kv_peak_blocks / pool.num_usable_blocks,

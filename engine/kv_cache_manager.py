@@ -120,4 +120,4 @@ class KVCacheManager:
 
     def cached_hash_digest(self, limit: int) -> bytes:
         """Up to ``limit`` cached block hashes, most recently cached first, 8 bytes each, concatenated."""
-        return b"".join(h[:8] for h, _ in zip(reversed(self.block_pool.cached), range(limit)))
+        return b"".join(h[:8] for h, _ in zip(reversed(self.block_pool.cached), range(limit)))  # noqa

@@ -82,12 +82,34 @@ def test_hash_collision_guard_and_duplicates():
     h = hash_blocks([9, 9, 9, 9], 4)[0]
     pool.cache_block(a, h, (9, 9, 9, 9))
     assert pool.get_cached_block(h, (9, 9, 9, 8)) is None  # same key, other tokens: not a hit
-    pool.cache_block(b, h, (9, 9, 9, 9))  # a duplicate of a's content
-    assert pool.cached[h] is a
+    pool.cache_block(b, h, (9, 9, 9, 9))  # a duplicate of a's content: kept next to it
+    assert pool.cached[h] == {a.block_id: a, b.block_id: b} and pool.num_cached_blocks == 2
     pool.free_blocks([a, b])
     assert ids(pool.get_new_blocks(1)) == [3]
-    assert ids(pool.get_new_blocks(1)) == [1]  # evicts a: the map entry goes with it
-    assert h not in pool.cached
+    assert ids(pool.get_new_blocks(1)) == [1]  # evicts a: b still holds the contents
+    assert pool.cached[h] == {b.block_id: b} and pool.get_cached_block(h, (9, 9, 9, 9)) is b
+    assert ids(pool.get_new_blocks(1)) == [2]  # evicts b: the hash leaves the map
+    assert h not in pool.cached and pool.num_cached_blocks == 0
+
+
+def test_a_hit_prefers_a_copy_in_use():
+    pool = BlockPool(4, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    h = hash_blocks([9, 9, 9, 9], 4)[0]
+    pool.cache_block(a, h, (9, 9, 9, 9))
+    pool.cache_block(b, h, (9, 9, 9, 9))
+    pool.free_blocks([a])
+    assert pool.get_cached_block(h, (9, 9, 9, 9)) is b
+
+
+def test_uncache_forgets_one_copy():
+    pool = BlockPool(4, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    h = hash_blocks([9, 9, 9, 9], 4)[0]
+    pool.cache_block(a, h, (9, 9, 9, 9))
+    pool.cache_block(b, h, (9, 9, 9, 9))
+    pool.uncache_block(b)
+    assert pool.cached[h] == {a.block_id: a} and b.block_hash is None and pool.num_cached_blocks == 1
 
 
 def test_reset_prefix_cache_only_when_idle():

@@ -86,3 +86,29 @@ def test_no_caching_means_no_hits():
     run_prefill(kv, make_request("a", list(range(9))))
     assert kv.get_computed_blocks(make_request("b", list(range(9))))[1] == 0
     assert not kv.block_pool.cached
+
+
+def test_a_prompt_exactly_k_blocks_long_keeps_its_recomputed_last_block():
+    """The second copy of a two-block prompt hits one block (the cap) and recomputes the second into
+    a block of its own: that copy is cached too, and serves a hit once the first copy is evicted."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
+    prompt = list(range(8))
+    a = make_request("a", prompt)
+    run_prefill(kv, a)
+    b = make_request("b", prompt)
+    assert run_prefill(kv, b) == 4
+    a_blocks, b_blocks = table(kv, a), table(kv, b)
+    assert a_blocks[0] == b_blocks[0] and a_blocks[1] != b_blocks[1]
+    pool = kv.block_pool
+    assert pool.num_cached_blocks == 3 and len(pool.cached[b.block_hashes[1]]) == 2
+    kv.free(a)  # a's copy of the last block joins the free queue before b's
+    kv.free(b)
+    assert [blk.block_id for blk in pool.free_queue][-3:] == [a_blocks[1], b_blocks[1], b_blocks[0]]
+    filler = make_request("f", [40 + i for i in range(4 * (pool.num_free_blocks - 2))])
+    run_prefill(kv, filler)  # takes every free block up to a's copy, evicting it
+    assert a_blocks[1] in table(kv, filler)
+    assert list(pool.cached[b.block_hashes[1]]) == [b_blocks[1]]
+    kv.free(filler)
+    c = make_request("c", prompt + [99])
+    assert run_prefill(kv, c) == 8  # both blocks hit: the second from b's copy
+    assert table(kv, c)[:2] == [b_blocks[0], b_blocks[1]]

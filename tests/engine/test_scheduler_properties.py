@@ -107,11 +107,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         for block in pool.blocks[1:]:
             assert block.ref_cnt == holders[block.block_id], block
             assert (block.ref_cnt == 0) == (block.block_id in set(in_queue)), block
-        for block_hash, block in pool.cached.items():
-            assert block.block_hash == block_hash and block.token_ids is not None
-            # a cached block holds the KV of its tokens: the step that was to write it has run
-            written = self.runner.kv.get(block.block_id, {})
-            assert tuple(written.get(i) for i in range(BLOCK_SIZE)) == block.token_ids, block
+        in_map = 0
+        for block_hash, blocks in pool.cached.items():
+            assert blocks
+            for block_id, block in blocks.items():
+                in_map += 1
+                assert block.block_id == block_id and block.block_hash == block_hash
+                assert block.token_ids is not None
+                # a cached block holds the KV of its tokens: the step that was to write it has run
+                written = self.runner.kv.get(block.block_id, {})
+                assert tuple(written.get(i) for i in range(BLOCK_SIZE)) == block.token_ids, block
+        # every block carrying a hash is findable under it (duplicates included)
+        assert in_map == pool.num_cached_blocks == sum(b.block_hash is not None for b in pool.blocks)
         assert set(kv.req_to_blocks) <= set(self.sched.requests)
 
     @invariant()
