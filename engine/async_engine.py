@@ -108,9 +108,10 @@ class AsyncLLM:
         return max(0, adds + len(scheduler.waiting) - free)
 
     def cached_prefix_hashes(self, limit: int = 16384) -> bytes:
-        """The prefix cache's block hashes, truncated to 8 bytes each and concatenated (a routing
-        summary: a router matches a prompt's chain of hashes against it)."""
-        return self.core.scheduler.kv.cached_hash_digest(limit)
+        """The prefix cache's block hashes, most recently used first, truncated to 8 bytes each and
+        concatenated (a routing summary: a router matches a prompt's chain of hashes against it).
+        Safe to call from any thread: a consistent snapshot, taken between the step's changes."""
+        return self.core.cached_prefix_hashes(limit)
 
     def _submit(self, command: tuple) -> None:
         self._commands.append(command)

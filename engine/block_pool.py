@@ -75,6 +75,13 @@ class FreeKVCacheBlockQueue:
             yield block
             block = block.next_free
 
+    def __reversed__(self):
+        """Most recently freed first."""
+        block = self._tail.prev_free
+        while block is not self._head:
+            yield block
+            block = block.prev_free
+
 
 class BlockPool:
     """Hands out blocks, takes them back, and keeps the hash -> block map of the prefix cache."""
@@ -150,6 +157,23 @@ class BlockPool:
                 del self.cached[block.block_hash]
         block.block_hash = block.token_ids = None
         return True
+
+    def hashes_by_recency(self, limit: int) -> list[BlockHash]:
+        """Up to ``limit`` distinct cached hashes, most recently used first: those of blocks in use
+        (a hit takes a block into use), then those of free blocks, the latest freed first (the
+        reverse of eviction order)."""
+        seen: dict[BlockHash, None] = {}
+        for block_hash, blocks in self.cached.items():
+            if any(b.ref_cnt for b in blocks.values()):
+                seen[block_hash] = None
+                if len(seen) >= limit:
+                    return list(seen)
+        for block in reversed(self.free_queue):
+            if block.block_hash is not None and block.block_hash not in seen:
+                seen[block.block_hash] = None
+                if len(seen) >= limit:
+                    break
+        return list(seen)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` from the head of the free queue (evicting their cached contents)."""

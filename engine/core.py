@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections import deque
 
@@ -70,6 +71,9 @@ class EngineCore:
         self.num_failed_requests = 0  # requests failed because a step that held them alone raised
         # requests of a step that raised, to be run one per step until the one that fails alone is found
         self._suspects: deque[str] = deque()
+        # held while the step changes the scheduler, the block pool or the outputs (never while the
+        # ranks compute), so that other threads (stats, the router's hash report) read them whole
+        self.lock = threading.RLock()
         # what start-up made (model, tokenizer, the pool's bookkeeping) lives as long as the engine:
         # out of the collector's sight, the collections that steps trigger stay short
         gc.collect()
@@ -153,6 +157,11 @@ class EngineCore:
     ) -> None:
         """Add a request whose prompt went through ``process_inputs``. ``n`` > 1 becomes n sibling
         requests that share the prompt's blocks once the first has computed them."""
+        with self.lock:
+            self._add_processed_request(request_id, prompt, prompt_token_ids, params, cache_salt, arrival_time)
+
+    def _add_processed_request(self, request_id, prompt, prompt_token_ids, params, cache_salt,
+                               arrival_time) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"a request id must be a non-empty string, got {request_id!r}")
         if request_id in self.outputs.requests:
@@ -180,8 +189,9 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; returns its final output, or None if unknown."""
-        self.scheduler.finish_requests(self.outputs.sample_ids_of(request_id), RequestStatus.FINISHED_ABORTED)
-        return self.outputs.abort(request_id)
+        with self.lock:
+            self.scheduler.finish_requests(self.outputs.sample_ids_of(request_id), RequestStatus.FINISHED_ABORTED)
+            return self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -199,12 +209,13 @@ class EngineCore:
         if self._dead is not None:
             raise self._dead
         start = time.perf_counter()
-        only = self._next_suspect()
-        scheduler_output = self.scheduler.schedule(only=only)
-        if scheduler_output.is_empty:
-            if only is not None:
-                self._suspects.popleft()  # it cannot run now: nothing held it alone, so it is cleared
-            return []
+        with self.lock:
+            only = self._next_suspect()
+            scheduler_output = self.scheduler.schedule(only=only)
+            if scheduler_output.is_empty:
+                if only is not None:
+                    self._suspects.popleft()  # it cannot run now: nothing held it alone, so it is cleared
+                return []
         execute_start = time.perf_counter()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
@@ -212,18 +223,20 @@ class EngineCore:
             self._recover(exc)
             return []
         except BaseException as exc:
-            # nothing of the step is kept: not its tokens, not the prefix-cache entries it planned
-            self.scheduler.rollback(scheduler_output)
-            if not isinstance(exc, Exception):
-                raise
-            return self._isolate(scheduler_output, exc)
-        if only is not None:
-            self._suspects.popleft()  # it ran alone without failing
+            with self.lock:
+                # nothing of the step is kept: not its tokens, not the prefix-cache entries it planned
+                self.scheduler.rollback(scheduler_output)
+                if not isinstance(exc, Exception):
+                    raise
+                return self._isolate(scheduler_output, exc)
         execute_wall = time.perf_counter() - execute_start
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        request_outputs, stopped = self.outputs.process(core_outputs)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        with self.lock:
+            if only is not None:
+                self._suspects.popleft()  # it ran alone without failing
+            core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            request_outputs, stopped = self.outputs.process(core_outputs)
+            if stopped:
+                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.timings.record(time.perf_counter() - start, runner_output.forward_time_s,
                             runner_output.execute_time_s, execute_wall - runner_output.execute_time_s)
         return request_outputs
@@ -285,11 +298,22 @@ class EngineCore:
         except Exception as exc:
             self._dead = EngineDeadError(f"the workers failed and could not be restarted: {exc}")
             raise self._dead from exc
-        self.scheduler.recompute_all()
+        with self.lock:
+            self.scheduler.recompute_all()
 
     # --- introspection ------------------------------------------------------------------------------
 
+    def cached_prefix_hashes(self, limit: int = 16384) -> bytes:
+        """The prefix cache's block hashes, most recently used first (a hit refreshes a block), 8
+        bytes each, concatenated: a consistent snapshot, safe to take from any thread."""
+        with self.lock:
+            return self.scheduler.kv.cached_hash_digest(limit)
+
     def stats(self) -> dict:
+        with self.lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         sched = self.scheduler
         pool = sched.kv.block_pool
         s = sched.stats
@@ -332,7 +356,8 @@ class EngineCore:
         return empty / (used * self.config.cache.block_size) if used else 0.0
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv.reset_prefix_cache()
+        with self.lock:
+            return self.scheduler.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -119,5 +119,5 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     def cached_hash_digest(self, limit: int) -> bytes:
-        """Up to ``limit`` cached block hashes, most recently cached first, 8 bytes each, concatenated."""
-        return b"".join(h[:8] for h, _ in zip(reversed(self.block_pool.cached), range(limit)))  # noqa
+        """Up to ``limit`` cached block hashes, most recently used first, 8 bytes each, concatenated."""
+        return b"".join(h[:8] for h in self.block_pool.hashes_by_recency(limit))
