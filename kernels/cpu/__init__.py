@@ -6,6 +6,6 @@ first if none matches the sources."""
 
 from kernels.cpu.backend import CpuAttentionBackend
 from kernels.cpu.build import build, load, load_error
-from kernels.cpu.layer_ops import CpuLayerOps
+from kernels.cpu.layer_ops import CpuLayerOps, DecoderStack
 
-__all__ = ["CpuAttentionBackend", "CpuLayerOps", "build", "load", "load_error"]
+__all__ = ["CpuAttentionBackend", "CpuLayerOps", "DecoderStack", "build", "load", "load_error"]

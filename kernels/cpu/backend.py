@@ -19,16 +19,19 @@ class CpuAttentionBackend:
 
     def __init__(self, ops) -> None:
         self.ops = ops  # torch.ops.kvserve_cpu
-        self.layer_ops = CpuLayerOps(ops)  # fused norms, activation, rotary and linear for the layers
+        # fused norms, activation, rotary and linear for the layers, and the whole decoder stack
+        self.layer_ops = CpuLayerOps(ops, self.metadata_args)
         self._attend = ops.paged_attention.default
+
+    def metadata_args(self, meta: PagedAttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """The step's metadata as the compiled ops take it (after query, K/V and the pools)."""
+        groups = meta.cascade
+        if groups is None:
+            return (meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens, _EMPTY, _EMPTY_TABLE,
+                    _EMPTY, _EMPTY, _EMPTY)
+        return (meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens, groups.kv_starts,
+                groups.block_tables, groups.lens, groups.member_start, groups.members)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-        groups = meta.cascade
-        if groups is None:
-            return self._attend(query, key, value, k_pool, v_pool, meta.slot_mapping, meta.block_tables,
-                                meta.query_start_loc, meta.seq_lens, _EMPTY, _EMPTY_TABLE, _EMPTY, _EMPTY, _EMPTY,
-                                scale)
-        return self._attend(query, key, value, k_pool, v_pool, meta.slot_mapping, meta.block_tables,
-                            meta.query_start_loc, meta.seq_lens, groups.kv_starts, groups.block_tables, groups.lens,
-                            groups.member_start, groups.members, scale)
+        return self._attend(query, key, value, k_pool, v_pool, *self.metadata_args(meta), scale)

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 NAME = "kvserve_cpu"
-SOURCES = tuple(Path(__file__).parent / name for name in ("vec.h", "paged_attention.cpp", "elementwise.cpp", "linear.cpp"))
+SOURCES = tuple(Path(__file__).parent / name for name in (
+    "vec.h", "ops.h", "paged_attention.cpp", "elementwise.cpp", "linear.cpp", "decoder_stack.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast")
 
 _lock = threading.Lock()

@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <cmath>
@@ -48,6 +49,8 @@ inline void norm_row(scalar_t* out, const scalar_t* x, const scalar_t* w, int64_
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, hidden] with a contiguous last axis");
 }
+
+}  // namespace
 
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
   const at::Tensor x = input.reshape({-1, input.size(-1)});
@@ -161,8 +164,6 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
     });
   });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

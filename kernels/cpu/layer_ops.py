@@ -1,7 +1,8 @@
 """Python faces of the compiled layer ops (``elementwise.cpp``, ``linear.cpp``), shaped like the torch
 versions in ``kernels.norms``, ``kernels.rotary``, ``act_and_mul`` and ``F.linear``: a layer that was
 handed a ``CpuLayerOps`` calls these instead. Each is one dispatcher call (the op overloads are
-looked up once)."""
+looked up once). ``DecoderStack`` runs a whole Llama-style layer stack in one call
+(``decoder_stack.cpp``)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import torch
 
 
 class CpuLayerOps:
-    def __init__(self, ops) -> None:
+    def __init__(self, ops, attention_args) -> None:
         self.ops = ops  # torch.ops.kvserve_cpu
+        self.attention_args = attention_args  # PagedAttentionMetadata -> the metadata tensors the ops take
         self.linear = ops.linear.default  # F.linear; float32 batches of up to 512 rows split across threads
         self.rms_norm = ops.rms_norm.default  # (x, weight, eps) -> normed
         self.silu_and_mul = ops.silu_and_mul.default  # [.., 2d] -> silu(gate) * up, [.., d]
         self._fused_add_rms_norm = ops.fused_add_rms_norm.default
         self._rotary = ops.rotary_embedding.default
+        self.decoder_stack = ops.decoder_stack.default
 
     def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,3 +31,29 @@ class CpuLayerOps:
         """Rotate query [T, heads * d] and key [T, kv_heads * d] in place."""
         self._rotary(positions, query, key, cos_sin_cache, head_dim)
         return query, key
+
+
+class DecoderStack:
+    """A Llama-style decoder stack (RMSNorm, fused qkv with neox rotary, paged attention, SiLU-gated
+    MLP) of one tensor-parallel rank of size 1 as one compiled call: the same ops in the same order
+    as the layers run them one by one, without the Python between them.
+
+    ``layers``: per layer ``(input_norm, qkv_weight, qkv_bias, o_weight, o_bias, post_norm,
+    gate_up_weight, gate_up_bias, down_weight, down_bias)``, a bias ``None`` where there is none.
+    """
+
+    def __init__(self, layer_ops: CpuLayerOps, layers: list[tuple], final_norm: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 scale: float) -> None:
+        none = torch.zeros(0)
+        self.weights = [none if w is None else w for layer in layers for w in layer]
+        self.op = layer_ops.decoder_stack
+        self.attention_args = layer_ops.attention_args
+        self.final_norm, self.cos_sin_cache = final_norm, cos_sin_cache
+        self.shape = (num_heads, num_kv_heads, head_dim, eps, scale)
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
+        """hidden: the embedded tokens [T, hidden] (updated in place as the residual stream) -> the
+        final norm's output."""
+        return self.op(hidden, positions, self.weights, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
+                       self.cos_sin_cache, self.final_norm, *self.attention_args(meta), *self.shape)

@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -70,6 +72,8 @@ bool linear_split(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
   return true;
 }
 
+}  // namespace
+
 // F.linear, through linear_split for float32 batches of up to kSplitMaxRows rows.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   if (x.dim() == 2 && x.size(0) <= kSplitMaxRows && x.scalar_type() == at::kFloat) {
@@ -78,8 +82,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   }
   return at::linear(x, weight, bias);
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");

@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -643,6 +644,8 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
   });
 }
 
+}  // namespace
+
 // The layer's whole attention in one call: store the step's K/V, then attend -> [tokens, heads, head_dim].
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool,
                            at::Tensor& v_pool, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -655,8 +658,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                       group_block_tables, group_lens, group_member_start, group_members, scale);
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def(

@@ -3,6 +3,9 @@
 - RMSNorm (with the residual add), SiLU-and-multiply and rotary use the backend's fused ops.
 - Linear layers run the compiled linear (output columns split across threads, one BLAS call each)
   where it applies, else ``F.linear``.
+- A model that can run its whole layer stack as one compiled call (``bind_decoder_stack``, the
+  Llama family at tensor-parallel size 1) does so: the same ops without the Python between them,
+  about 0.1 ms per layer per step. ``KVSERVE_DECODER_STACK=0`` keeps the layer-by-layer path.
 - Linear weights are re-laid out in memory as the transpose of a contiguous ``[in, out]`` matrix:
   the parameter is the same ``[out, in]`` matrix, but ``F.linear`` then reaches BLAS without a
   transposed operand, which on CPU makes decode-sized products 35-100% faster (measured with
@@ -11,6 +14,8 @@
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn as nn
@@ -44,3 +49,7 @@ def bind_cpu_kernels(model: nn.Module, layer_ops) -> None:
                 module.packed_weight = _transposed_layout(module.weight.data)
             else:
                 module.weight.data = _transposed_layout(module.weight.data)
+    if os.environ.get("KVSERVE_DECODER_STACK", "1") != "0":
+        for module in model.modules():
+            if hasattr(module, "bind_decoder_stack"):
+                module.bind_decoder_stack(layer_ops)

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import PagedAttentionMetadata
+from kernels.cpu.layer_ops import DecoderStack
 from workers.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -152,6 +153,27 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(args, rotary_emb, tp, dtype, device) for _ in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.stack: DecoderStack | None = None  # the layers as one compiled call (``bind_decoder_stack``)
+
+    def bind_decoder_stack(self, layer_ops) -> bool:
+        """Run the layers as one compiled call from now on (``workers.layers.kernels``), where the
+        stack is what ``decoder_stack.cpp`` computes: one rank, SiLU-gated MLPs and the compiled
+        norms and rotary already bound. Answers whether it did."""
+        first = self.layers[0]
+        if first.self_attn.o_proj.tp.size != 1 or first.mlp.act is not F.silu or first.mlp.ops is None:
+            return False
+        if first.self_attn.rotary_emb.ops is None or self.norm.ops is None:
+            return False
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                           attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                           mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias))
+        a = first.self_attn.attn
+        self.stack = DecoderStack(layer_ops, layers, self.norm.weight, first.self_attn.rotary_emb.cos_sin_cache,
+                                  a.num_heads, a.num_kv_heads, a.head_dim, self.norm.eps, a.scale)
+        return True
 
     def forward(
         self,
@@ -160,6 +182,8 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor:
+        if self.stack is not None:
+            return self.stack(self.embed_tokens(input_ids), positions, kv_caches, meta)
         hidden, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)

@@ -1,0 +1,115 @@
+// A Llama-style decoder stack in one call (one tensor-parallel rank of size 1): per layer
+//   residual += h; h = rms_norm(residual)            (the first layer: residual = h, h = rms_norm(h))
+//   q, k, v = split(linear(h, Wqkv, bqkv)); rotary(q, k) in place
+//   h = linear(paged_attention(q, k, v), Wo, bo)      (stores the step's K/V first)
+//   residual += h; h = rms_norm(residual)
+//   h = linear(silu_and_mul(linear(h, Wgu, bgu)), Wd, bd)
+// and the final residual add + norm. The same ops in the same order as the Python layers run them
+// (workers/models/llama.py with the compiled ops bound), so the result is the same to the bit; what
+// goes is the Python and dispatcher work between them: about 100 us per layer per step. Each op
+// keeps its profiler scope under its own name, so a profile splits the stack as it splits the layers.
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+#include <vector>
+
+namespace kvserve {
+namespace {
+
+constexpr int64_t kPerLayer = 10;  // in_norm, Wqkv, bqkv, Wo, bo, post_norm, Wgu, bgu, Wd, bd
+
+// A profiler scope named as the registered op (free when no profiler runs).
+#define KVSERVE_SCOPE(op) RECORD_FUNCTION("kvserve_cpu::" op, std::vector<c10::IValue>())
+
+at::Tensor stack_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
+c10::optional<at::Tensor> bias_of(const at::Tensor& b) {
+  if (!b.defined() || b.numel() == 0) return c10::nullopt;
+  return b;
+}
+
+at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& positions, at::TensorList weights,
+                         at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& cos_sin_cache,
+                         const at::Tensor& final_norm, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
+                         const at::Tensor& group_block_tables, const at::Tensor& group_lens,
+                         const at::Tensor& group_member_start, const at::Tensor& group_members, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+  const int64_t layers = static_cast<int64_t>(k_pools.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
+              "decoder_stack takes ", kPerLayer, " weight tensors per layer");
+  TORCH_CHECK(static_cast<int64_t>(v_pools.size()) == layers, "one K and one V pool per layer");
+  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(), "hidden must be a contiguous [tokens, hidden] tensor");
+  const int64_t t = hidden_in.size(0);
+  const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+  at::Tensor residual = hidden_in;  // the caller's embedding output, updated in place
+  at::Tensor h;
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = weights.data() + i * kPerLayer;
+    if (i == 0) {
+      KVSERVE_SCOPE("rms_norm");
+      h = kvserve::rms_norm(residual, w[0], eps);
+    } else {
+      KVSERVE_SCOPE("fused_add_rms_norm");
+      kvserve::fused_add_rms_norm(h, residual, w[0], eps);
+    }
+    const at::Tensor qkv = stack_linear(h, w[1], w[2]);
+    TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width, "the qkv projection does not match the head counts");
+    at::Tensor q = qkv.narrow(1, 0, q_width);
+    at::Tensor k = qkv.narrow(1, q_width, kv_width);
+    const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
+    {
+      KVSERVE_SCOPE("rotary_embedding");
+      kvserve::rotary_embedding(positions, q, k, cos_sin_cache, head_dim);
+    }
+    at::Tensor attn;
+    {
+      KVSERVE_SCOPE("paged_attention");
+      at::Tensor k_pool = k_pools[i], v_pool = v_pools[i];
+      attn = kvserve::paged_attention(
+          q.view({t, num_heads, head_dim}), k.view({t, num_kv_heads, head_dim}), v.view({t, num_kv_heads, head_dim}),
+          k_pool, v_pool, slot_mapping, block_tables, query_start_loc, seq_lens, kv_starts, group_block_tables,
+          group_lens, group_member_start, group_members, scale);
+    }
+    h = stack_linear(attn.view({t, q_width}), w[3], w[4]);
+    {
+      KVSERVE_SCOPE("fused_add_rms_norm");
+      kvserve::fused_add_rms_norm(h, residual, w[5], eps);
+    }
+    at::Tensor act = stack_linear(h, w[6], w[7]);
+    {
+      KVSERVE_SCOPE("silu_and_mul");
+      act = kvserve::silu_and_mul(act);
+    }
+    h = stack_linear(act, w[8], w[9]);
+  }
+  KVSERVE_SCOPE("fused_add_rms_norm");
+  kvserve::fused_add_rms_norm(h, residual, final_norm, eps);
+  return h;
+}
+
+at::Tensor stack_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  KVSERVE_SCOPE("linear");
+  return kvserve::linear(x, weight, bias_of(bias));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def(
+      "decoder_stack(Tensor(a!) hidden, Tensor positions, Tensor[] weights, Tensor(b!)[] k_pools, "
+      "Tensor(c!)[] v_pools, Tensor cos_sin_cache, Tensor final_norm, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, Tensor group_block_tables, Tensor group_lens, "
+      "Tensor group_member_start, Tensor group_members, int num_heads, int num_kv_heads, int head_dim, float eps, "
+      "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("decoder_stack", &decoder_stack);
+}
+
+}  // namespace kvserve
