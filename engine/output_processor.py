@@ -23,6 +23,7 @@ class _Sample:
     stop_reason: int | str | None = None
     num_tokens_sent: int = 0
     final_sent: bool = False
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -82,7 +83,7 @@ class OutputProcessor:
         stopped: list[str] = []
         for out in core_outputs:
             state, sample = self._by_sample_id[out.req_id]
-            self._observe_token(state, now, len(out.new_token_ids))
+            self._observe_token(state, sample, now, len(out.new_token_ids))
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             sample.token_ids.extend(out.new_token_ids)
             if sample.logprobs is not None and out.new_logprobs is not None:
@@ -132,13 +133,17 @@ class OutputProcessor:
         state = self.requests.get(request_id)
         return [k for k, (s, _) in self._by_sample_id.items() if s is state] if state else []
 
-    def _observe_token(self, state: _RequestState, now: float, count: int) -> None:
+    def _observe_token(self, state: _RequestState, sample: _Sample, now: float, count: int) -> None:
+        """Time to first token once per request; inter-token latency per sample, between its own
+        consecutive tokens (the n samples of a request advance in the same steps)."""
         metrics = state.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             self.latency.time_to_first_token.observe(now - metrics.arrival_time)
-        elif metrics.last_token_time is not None and count:
-            self.latency.inter_token_latency.observe(now - metrics.last_token_time)
+        if count:
+            if sample.last_token_time is not None:
+                self.latency.inter_token_latency.observe(now - sample.last_token_time)
+            sample.last_token_time = now
         metrics.last_token_time = now
 
     def _should_emit(self, state: _RequestState) -> bool:

@@ -81,6 +81,9 @@ class Sampler:
             if row.params.seed is not None and not greedy[i]:
                 self._row_generator.manual_seed(_seed_for(row.params.seed, row.num_output_tokens))
                 race[i].exponential_(generator=self._row_generator)
+        # a draw of exactly 0 would make p / q infinite (or NaN for a filtered token, which argmax
+        # would pick): the smallest normal float keeps every quotient finite (p <= 1)
+        race.clamp_(min=torch.finfo(race.dtype).tiny)
         sampled = (probs / race).argmax(dim=-1)
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=logits.device)
