@@ -137,6 +137,8 @@ class CompletionRequest(_SamplingRequest):
         except ValidationError:  # one message instead of one per member of the union
             raise PydanticCustomError("prompt_type", "prompt must be a string, a list of strings, a list "
                                                      "of token ids or a list of lists of token ids") from None
+        if (isinstance(prompt, list) and not prompt) or any(isinstance(item, list) and not item for item in prompt):
+            raise PydanticCustomError("empty_prompt", "prompt must not be empty (nor hold an empty list of token ids)")
         low, high = INT_RANGES["token_ids"]
         for item in [prompt] if isinstance(prompt, str) else prompt:
             if isinstance(item, str):
