@@ -16,12 +16,13 @@ import pytest
 from api.http_app import build_openai_app
 from api.openai_serving import AsyncLLMClient, OpenAIServing
 from engine import LLM, AsyncLLM, SamplingParams, engine_config
+from engine.metrics import prometheus_text
 from engine.tokenizer import Tokenizer
 from tests.e2e.prompts import test_prompts as make_prompts
 
 MODEL = "tiny-llama"
 API_KEY = "sk-test"
-METRICS = "# TYPE kvserve_up gauge\nkvserve_up 1\n"
+REPLICA = "0"  # the replica label of the in-process engine's /metrics series
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 
@@ -58,8 +59,8 @@ def offline(model_dir):
 def app(llm, model_dir):
     serving = OpenAIServing(AsyncLLMClient(llm), Tokenizer(model_dir), MODEL, llm.core.config.max_model_len)
 
-    async def metrics_text() -> str:
-        return METRICS
+    async def metrics_text() -> str:  # what the Serve app exposes, for its one replica
+        return prometheus_text({REPLICA: llm.stats()}, MODEL)
 
     return build_openai_app(lambda: serving, api_key=API_KEY, metrics_text=metrics_text)
 
@@ -106,3 +107,15 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
     return error
+
+
+def parse_metrics(text: str) -> dict[str, tuple[str, dict[tuple, float]]]:
+    """The Prometheus exposition, read by prometheus_client's parser: family name -> (type,
+    {(sample name, sorted labels): value}). Raises on text the parser refuses."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {}
+    for family in text_string_to_metric_families(text):
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}
+        families[family.name] = (family.type, samples)
+    return families

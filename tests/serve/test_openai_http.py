@@ -10,8 +10,8 @@ import pytest
 
 from engine import SamplingParams
 from engine.tokenizer import Tokenizer
-from tests.serve.openai_harness import (GREEDY, MODEL, app, assert_error, client, http, llm,  # noqa: F401
-                                        model_dir, offline, prompts, reference, run)
+from tests.serve.openai_harness import (GREEDY, MODEL, REPLICA, app, assert_error, client, http, llm,  # noqa: F401
+                                        model_dir, offline, parse_metrics, prompts, reference, run)
 
 
 # --- completions -------------------------------------------------------------------------------
@@ -144,21 +144,67 @@ def test_echo_stop_and_max_tokens(client, offline, prompts, run):
     assert short.choices[0].text == "Hello there" + continuation
 
 
-def test_seed_reproducibility_penalties_and_vllm_extras(client, run):
-    sampled = dict(model=MODEL, prompt="A quiet morning", max_tokens=16, temperature=1.0, top_p=0.95)
+def test_seeds_penalties_and_vllm_extras_equal_the_offline_engine(client, offline, run):
+    """Seeded samples are independent of the batch, so each equals the offline engine's for the same
+    parameters: the plain ones, and those with OpenAI's penalties and every vLLM extra."""
+    prompt = "A quiet morning"
+    sampled = dict(max_tokens=16, temperature=1.0, top_p=0.95)
     extras = {"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
-              "stop_token_ids": [7], "skip_special_tokens": False, "include_stop_str_in_output": True,
-              "cache_salt": "tenant-a"}
+              "skip_special_tokens": False, "include_stop_str_in_output": True, "cache_salt": "tenant-a"}
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5)
+    with_ids = {"return_token_ids": True}
+
+    def offline_output(seed: int, **params):
+        salt = params.pop("cache_salt", None)
+        return offline.generate(prompt, SamplingParams(seed=seed, **sampled, **params), cache_salt=salt)[0].outputs[0]
+
+    expected = [offline_output(s) for s in (7, 7, 8)]
+    expected_extras = offline_output(1, **penalties, **extras)
 
     async def main():
-        a, b, c = await asyncio.gather(*(client.completions.create(seed=s, **sampled) for s in (7, 7, 8)))
-        penalized = await client.completions.create(seed=1, presence_penalty=0.5, frequency_penalty=0.5,
-                                                    extra_body=extras, **sampled)
-        return a, b, c, penalized
+        plain = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=prompt, seed=s, extra_body=with_ids,
+                                                                 **sampled) for s in (7, 7, 8)))
+        penalized = await client.completions.create(model=MODEL, prompt=prompt, seed=1, extra_body={**extras, **with_ids},
+                                                    **penalties, **sampled)
+        return plain, penalized
 
-    a, b, c, penalized = run(main())
-    assert a.choices[0].text == b.choices[0].text != c.choices[0].text
-    assert penalized.usage.completion_tokens >= 2
+    plain, penalized = run(main())
+    for got, want in zip(plain, expected):
+        assert (got.choices[0].text, got.choices[0].model_extra["token_ids"]) == (want.text, want.token_ids)
+    assert expected[0].token_ids == expected[1].token_ids != expected[2].token_ids
+    choice = penalized.choices[0]
+    assert (choice.text, choice.model_extra["token_ids"], choice.finish_reason) == \
+        (expected_extras.text, expected_extras.token_ids, "length")
+    assert penalized.usage.completion_tokens == 16
+    assert expected_extras.token_ids != expected[0].token_ids  # the extras changed the sample
+
+
+def test_greedy_stop_token_ids_and_cache_salt_as_the_offline_engine(client, offline, run):
+    """stop_token_ids ends greedy decoding where the offline engine's does (finish "stop", the id as
+    stop_reason); cache_salt separates the prefix cache: the same salt hits, another salt or none misses."""
+    tokens = list(range(300, 340))  # 2 full blocks of 16, used by no other test
+    greedy = reference(offline, tokens, temperature=0.0, max_tokens=12, ignore_eos=True)
+    stop_id = greedy.token_ids[5]
+    expected = reference(offline, tokens, temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id])
+
+    async def main():
+        stopped = await client.completions.create(model=MODEL, prompt=tokens, max_tokens=12, temperature=0.0,
+                                                  extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
+                                                              "return_token_ids": True})
+        salted = [await client.completions.create(model=MODEL, prompt=tokens, max_tokens=2, temperature=0.0,
+                                                  extra_body={"cache_salt": salt})
+                  for salt in ("tenant-x", "tenant-x", "tenant-y")]
+        return stopped, salted
+
+    stopped, (first_x, second_x, first_y) = run(main())
+    choice = stopped.choices[0]
+    assert (choice.text, choice.model_extra["token_ids"]) == (expected.text, expected.token_ids)
+    assert expected.token_ids == greedy.token_ids[:expected.token_ids.index(stop_id) + 1]
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", stop_id)
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first_x, second_x, first_y)]
+    assert cached == [0, 32, 0]
+    assert first_x.choices[0].text == second_x.choices[0].text == first_y.choices[0].text == \
+        reference(offline, tokens, temperature=0.0, max_tokens=2).text
 
 
 def test_repeated_long_prompt_reports_cached_tokens(client, prompts, run):
@@ -232,3 +278,41 @@ def test_tokenize_detokenize_and_models(http, model_dir, run):
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["max_model_len"] == 2048
 
+
+
+def test_metrics_are_the_engines_exposition_parsed(client, http, llm, run):
+    """/metrics is the Prometheus text the Serve app serves (engine.metrics.prometheus_text over the
+    engine's stats), read by prometheus_client's parser: one completion moves the counters by its
+    exact token counts and the latency histograms by one request."""
+    labels = (("model_name", MODEL), ("replica", REPLICA))
+
+    def sample(families, name: str, **extra: str) -> float:
+        wanted = (name, tuple(sorted((*labels, *extra.items()))))
+        found = [samples[wanted] for _, samples in families.values() if wanted in samples]
+        assert len(found) == 1, f"{name} {extra}: {len(found)} samples"
+        return found[0]
+
+    async def main():
+        before = (await http.get("/metrics")).text
+        result = await client.completions.create(model=MODEL, prompt="Metrics count these words", max_tokens=7,
+                                                 **GREEDY)
+        return before, result, (await http.get("/metrics")).text, llm.stats()
+
+    before_text, result, after_text, stats = run(main())
+    before, after = parse_metrics(before_text), parse_metrics(after_text)
+    kinds = {name: kind for name, (kind, _) in after.items()}
+    assert kinds["kvserve:generation_tokens"] == "counter" and kinds["kvserve:num_requests_running"] == "gauge"
+    assert kinds["kvserve:e2e_request_latency_seconds"] == "histogram"
+
+    def delta(name: str, **extra: str) -> float:
+        return sample(after, name, **extra) - sample(before, name, **extra)
+
+    assert delta("kvserve:generation_tokens_total") == result.usage.completion_tokens == 7
+    assert delta("kvserve:prompt_tokens_total") == result.usage.prompt_tokens
+    assert sample(after, "kvserve:generation_tokens_total") == stats["num_generation_tokens"]
+    assert sample(after, "kvserve:num_requests_running") == sample(after, "kvserve:num_requests_waiting") == 0
+    for histogram in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds"):
+        name = f"kvserve:{histogram}"
+        assert delta(f"{name}_count") == 1
+        assert sample(after, f"{name}_bucket", le="+Inf") == sample(after, f"{name}_count")
+    assert delta("kvserve:inter_token_latency_seconds_count") == 6  # between 7 tokens
