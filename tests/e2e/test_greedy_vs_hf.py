@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.block_hash import hash_blocks
 from tests.conftest import ARCHS
 from tests.e2e.prompts import test_prompts as make_prompts
 
@@ -20,6 +21,23 @@ def generate_and_check(llm, oracle, prompts, params=GREEDY):
             assert len(sample.token_ids) == params.max_tokens and sample.finish_reason == "length"
             oracle.assert_greedy(prompt, sample.token_ids)
     return outs
+
+
+def expected_hits(prompts, block_size, cached: set | None = None) -> int:
+    """Prompt tokens the prefix cache serves when ``prompts`` are first scheduled in this order in
+    one step (blocks enter the cache when planned: a later prompt of the same step hits an earlier
+    one's), each hit a chain of full blocks stopping one token short of its prompt. ``cached``
+    (updated) holds the hashes already cached."""
+    cached = set() if cached is None else cached
+    hits = 0
+    for prompt in prompts:
+        hashes = hash_blocks(prompt, block_size)
+        for h in hashes[:(len(prompt) - 1) // block_size]:
+            if h not in cached:
+                break
+            hits += block_size
+        cached.update(hashes)
+    return hits
 
 
 BACKENDS = {  # attention backends, and the compiled one without shared-prefix groups
@@ -46,11 +64,18 @@ def test_greedy_matches_hf(arch, caching, backend, model_dirs, hf_oracle):
         stats = llm.stats()
         assert stats["num_blocks_in_use"] == 0
         if caching:
-            assert stats["prefix_cache_hits"] >= 288  # the 300-token shared prefix, in blocks of 16
-            # a warm rerun: the same tokens, now mostly from the cache
+            cached: set = set()
+            assert stats["prefix_cache_hits"] == expected_hits(prompts, 16, cached) == 288  # the shared prefix
+            assert stats["prefix_cache_queries"] == sum(len(p) for p in prompts)
+            # a warm rerun: the same tokens, now from the cache up to each prompt's last full block
             again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
             assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-            assert llm.stats()["prefix_cache_hit_rate"] > 0.4
+            warm = expected_hits(prompts, 16, cached)
+            assert warm == sum((len(p) - 1) // 16 * 16 for p in prompts)
+            assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 16 * 16 for p in prompts]
+            stats = llm.stats()
+            assert stats["prefix_cache_hits"] == 288 + warm
+            assert stats["prefix_cache_hit_rate"] == (288 + warm) / (2 * sum(len(p) for p in prompts))
         else:
             assert stats["prefix_cache_queries"] == stats["prefix_cache_hits"] == 0
 
@@ -60,7 +85,8 @@ def test_block_sizes(block_size, model_dirs, hf_oracle):
     prompts = make_prompts(model_dirs["llama"])
     with LLM(model=model_dirs["llama"], block_size=block_size) as llm:
         generate_and_check(llm, hf_oracle("llama"), prompts)
-        assert llm.stats()["prefix_cache_hits"] % block_size == 0
+        # the 300-token shared prefix, in whole blocks
+        assert llm.stats()["prefix_cache_hits"] == expected_hits(prompts, block_size) == 300 // block_size * block_size
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -91,6 +117,9 @@ def test_n_samples_share_the_prompt(model_dirs, hf_oracle):
             # only the first sample of each prompt is a prefix-cache query
             expected = sum(len(p) for p in prompts) if caching else 0
             assert stats["prefix_cache_queries"] == expected
+            # the two prompts share 300 tokens: the second hits them, its samples fork instead
+            assert stats["prefix_cache_hits"] == (expected_hits(prompts, 16) if caching else 0)
+            assert [o.num_cached_tokens for o in outs] == ([0, 288] if caching else [0, 0])
 
 
 def test_logprobs_match_hf_log_softmax(model_dirs, hf_oracle):
