@@ -1,4 +1,4 @@
-"""The `kvserve` command: build checkpoints, generate offline, benchmark."""
+"""The `kvserve` command: build checkpoints, generate offline, benchmark, break the Serve app on purpose."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.chaos import add_chaos_arguments, add_soak_arguments, run_chaos_command, run_soak_command
     from benchmarks.cli import add_bench_arguments, run_bench
     from benchmarks.online_vllm import add_bench_online_vllm_arguments, run_bench_online_vllm
     from benchmarks.profile_step import add_profile_step_arguments, run_profile_step
@@ -69,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     profile = commands.add_parser("profile-step", help="where the time of a decode step goes, N sequences running")
     add_profile_step_arguments(profile)
     profile.set_defaults(run=run_profile_step)
+    chaos = commands.add_parser("chaos", help="the Serve app under load while its scheduler actor, a rank and its "
+                                "replica are killed: requests lost and seconds to serve again")
+    add_chaos_arguments(chaos)
+    chaos.set_defaults(run=run_chaos_command)
+    soak = commands.add_parser("soak", help="the Serve app under a steady load for N minutes: RSS growth of every "
+                               "process, errors, KV blocks in use at the end")
+    add_soak_arguments(soak)
+    soak.set_defaults(run=run_soak_command)
     args = parser.parse_args(argv)
     return args.run(args)
 

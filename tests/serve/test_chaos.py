@@ -1,0 +1,53 @@
+"""`kvserve chaos` and `kvserve soak`, smoke-sized: the commands as a user runs them (a local Ray with
+this machine's CPUs), one fault, a few seconds of soak, their JSON reports checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvserve(*args: str, timeout: float) -> None:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_soak_reports_every_process_errors_and_blocks(model_dirs, tmp_path):
+    out = tmp_path / "soak.json"
+    kvserve("soak", "--model", model_dirs["llama"], "--minutes", "0.1", "--warmup", "3", "--concurrency", "2",
+            "--max-tokens", "4", "--app-arg", "num_kv_blocks=256", "--out", str(out), timeout=300)
+    report = json.loads(out.read_text())
+    assert report["requests"] > 0 and report["requests_ok"] == report["requests"]
+    assert report["errors"] == 0 and report["outcomes"] == {"ok": report["requests"]}
+    assert report["num_blocks_in_use_at_end"] == 0 and report["num_requests_running_at_end"] == 0
+    names = {p["name"] for p in report["processes"]}
+    assert {"ray::SchedulerActor", "ray::ServeReplica:kvserve:LLMServer", "ray::ServeReplica:kvserve:Ingress",
+            "ray::ServeController", "ray::ProxyActor", "raylet", "gcs_server"} <= names
+    for p in report["processes"]:
+        assert p["rss_start_mb"] > 0  # each figure is rounded to 0.1 MB on its own
+        assert abs(p["growth_mb"] - (p["rss_end_mb"] - p["rss_start_mb"])) <= 0.1 + 1e-9
+    assert report["max_growth_mb"] == max(p["growth_mb"] for p in report["processes"])
+
+
+def test_chaos_a_rank_killed_at_tp2_loses_no_request(model_dirs, tmp_path):
+    """The ranks are rebuilt under the same scheduler: the requests in flight are recomputed, the
+    ones that arrive meanwhile wait, and none fails or hangs."""
+    out = tmp_path / "chaos.json"
+    kvserve("chaos", "--model", model_dirs["llama"], "--faults", "rank", "--tensor-parallel-size", "2",
+            "--concurrency", "2", "--max-tokens", "8", "--settle", "2", "--app-arg", "num_kv_blocks=256", "--out", str(out), timeout=400)
+    report = json.loads(out.read_text())
+    [fault] = report["faults"]
+    assert fault["fault"] == "rank" and fault["killed"].startswith("rank 1 (pid ")
+    assert fault["in_flight"] == 2  # both clients had a request open
+    assert fault["lost"] == 0 and fault["in_flight_outcomes"] == {"ok": 2}
+    assert fault["refused"] == 0 and fault["hung"] == 0
+    assert fault["recovery_s"] is not None and 0 < fault["recovery_s"] < 60
+    assert report["num_blocks_in_use_at_end"] == 0 and report["num_requests_running_at_end"] == 0
