@@ -5,7 +5,8 @@
 Each malformed request is a valid completion or chat body with one thing broken: a numeric field out
 of range or of the wrong type (huge and negative integers, fractions, NaN and infinities, strings,
 lists), a text with a lone surrogate, an empty or oversized list, an unknown role, a missing field,
-a body that is not a JSON object, or a feature the engine refuses. Meanwhile good greedy completions
+a body that is not a JSON object, work over the engine's caps (``max_n``, ``max_stop_sequences`` at
+their defaults), or a feature the engine refuses. Meanwhile good greedy completions
 run one after another, each of which must return the text the first one returned. The figures:
 
 - ``tried``: malformed requests sent;
@@ -121,6 +122,9 @@ def _completion_mutations(rng: random.Random) -> list[tuple[str, Callable[[dict]
         ("stop_token_ids out of range or mistyped", set_("stop_token_ids", rng.choice(
             [[-1], [2**31], [2**64], [5, "x"], 7, [1.5], [10**6]]))),
         ("stop empty or mistyped", set_("stop", rng.choice(["", [""], [1], {"s": 1}]))),
+        ("n over the engine's max_n (128 by default)", set_("n", rng.randint(129, 20000))),
+        ("stop strings over the engine's max_stop_sequences (64 by default)",
+         set_("stop", [f"s{i}" for i in range(rng.randint(65, 1000))])),
         ("logit_bias given", set_("logit_bias", rng.choice([{"5": 1.0}, {"5": NAN}, {"x": "y"}, [1]]))),
         ("suffix given", set_("suffix", "!")),
         ("best_of other than n", set_("best_of", rng.choice([2, 3, 0, -1, 2**64]))),
@@ -247,9 +251,9 @@ class FuzzReport:
 
 
 async def fuzz(client: httpx.AsyncClient, cases: Iterable[Case], expected_text: str | None = None, *,
-               concurrency: int = 16, timeout_s: float = 10.0) -> FuzzReport:
-    """Send ``cases`` (``concurrency`` at a time, each within ``timeout_s``) while good greedy
-    completions (``GOOD_BODY``) run one after another beside them; each good one must return
+               concurrency: int = 16, timeout_s: float = 10.0, good_streams: int = 2) -> FuzzReport:
+    """Send ``cases`` (``concurrency`` at a time, each within ``timeout_s``) while ``good_streams``
+    sequences of good greedy completions (``GOOD_BODY``) run beside them; each good one must return
     ``expected_text`` (default: what the first one returns)."""
     report = FuzzReport()
     slots = asyncio.Semaphore(concurrency)
@@ -299,14 +303,14 @@ async def fuzz(client: httpx.AsyncClient, cases: Iterable[Case], expected_text: 
             if done.is_set():
                 return
 
-    good = asyncio.create_task(good_loop())
+    good = [asyncio.create_task(good_loop()) for _ in range(good_streams)]
     tasks = []
     for case in cases:
         report.tried += 1
         tasks.append(asyncio.create_task(one(case)))
     await asyncio.gather(*tasks)
     done.set()
-    await good
+    await asyncio.gather(*good)
     report.seconds = time.monotonic() - start
     return report
 
@@ -316,6 +320,7 @@ def add_fuzz_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=16, help="malformed requests in flight")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds before a request counts as a hang")
+    parser.add_argument("--good-streams", type=int, default=2, help="good requests in flight beside the fuzz")
     parser.add_argument("--model", help="model directory (default: the llama `tiny` preset, built if missing)")
 
 
@@ -339,7 +344,8 @@ def run_fuzz(args: argparse.Namespace) -> int:
             async with httpx.AsyncClient(transport=transport, base_url="http://fuzz") as client:
                 alone = await client.post("/v1/completions", json=GOOD_BODY)  # the reference, with nothing beside it
                 report = await fuzz(client, cases, alone.json()["choices"][0]["text"],
-                                    concurrency=args.concurrency, timeout_s=args.timeout)
+                                    concurrency=args.concurrency, timeout_s=args.timeout,
+                                    good_streams=args.good_streams)
             await asyncio.sleep(0.5)
             stats = llm.stats()
             return {**report.summary(), "blocks_in_use": stats["num_blocks_in_use"],

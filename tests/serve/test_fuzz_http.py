@@ -236,6 +236,20 @@ def test_the_hand_list_gets_400_beside_a_good_request(http, llm, run, expected, 
     assert (response.status_code, error["param"], error["type"]) == (400, param, "invalid_request_error")
 
 
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "x", "n": 20000, "max_tokens": 4}, "n must be at most 128 (the engine's max_n), got 20000"),
+    ({"prompt": "x", "stop": [f"s{i}" for i in range(1000)]},
+     "at most 64 stop strings are allowed (the engine's max_stop_sequences), got 1000"),
+])
+def test_unbounded_work_is_refused_at_once_in_one_sentence(http, llm, run, expected, body, message):
+    """20000 samples or 1000 stop strings are over the engine's caps (defaults): the engine's ValueError
+    reaches the client as a 400 whose message is its one sentence, beside a good request."""
+    _check_beside_good(http, llm, run, expected, [("/v1/completions", json.dumps(body).encode(), message)])
+    response = run(_post(http, "/v1/completions", json.dumps(body).encode()))
+    assert response.status_code == 400 and response.json()["error"] == {
+        "message": message, "type": "invalid_request_error", "param": None, "code": 400}
+
+
 # --- the benchmark driver, small ------------------------------------------------------------------
 
 def test_fuzz_driver_reports_every_malformed_request_answered_cleanly(http, llm, run, expected):
