@@ -198,6 +198,10 @@ OUT_OF_RANGE = {  # field values the proto types admit and the API refuses (api/
     "presence_penalty": (dict(presence_penalty=-3.0), "presence_penalty must be a finite number in [-2, 2], got -3.0"),
     "frequency_penalty": (dict(frequency_penalty=float("-inf")),
                           "frequency_penalty must be a finite number in [-2, 2], got -inf"),
+    # in range for the types, over the engine's caps (their defaults): the engine's sentence, unwrapped
+    "max_n": (dict(n=20000, max_tokens=2), "n must be at most 128 (the engine's max_n), got 20000"),
+    "max_stop_sequences": (dict(stop=[f"s{i}" for i in range(1000)]),
+                           "at most 64 stop strings are allowed (the engine's max_stop_sequences), got 1000"),
 }
 
 
