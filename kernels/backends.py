@@ -1,8 +1,10 @@
 """Choosing the attention backend: once per engine, from its ``attention_backend`` setting.
 
-``auto`` takes the compiled CPU kernels on a CPU device when they load (build) here, else plain
-torch; ``cpu`` insists on the compiled kernels (a clear error at start where they cannot build);
-``torch`` is plain torch on any device.
+``auto`` takes Triton on a CUDA device when it imports, else plain torch there, and the compiled CPU
+kernels on a CPU device when they load (build) here, else plain torch; ``cpu`` insists on the
+compiled kernels (a clear error at start where they cannot build); ``triton`` insists on the Triton
+kernels (a clear error at start where Triton does not import, or on a CPU device unless the Triton
+interpreter is on: ``TRITON_INTERPRET=1``); ``torch`` is plain torch on any device.
 """
 
 from __future__ import annotations
@@ -12,7 +14,21 @@ import torch
 from kernels.attention import AttentionBackend
 from kernels.torch_attention import TORCH_BACKEND
 
-BACKENDS = ("auto", "torch", "cpu")
+BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+def _triton(device: torch.device) -> tuple[AttentionBackend | None, str]:
+    """(the Triton backend, "") where it can run on ``device``, else (None, why not)."""
+    import kernels.triton as kt
+
+    error = kt.load_error()
+    if error is not None:
+        return None, f"Triton does not import ({error})"
+    if device.type == "cpu" and not kt.interpreted():
+        return None, "on a CPU device Triton runs only under its interpreter (set TRITON_INTERPRET=1 before start)"
+    if device.type not in ("cpu", "cuda"):
+        return None, f"Triton runs on CUDA devices, not {device.type}"
+    return kt.TritonAttentionBackend(), ""
 
 
 def select_backend(name: str, device: torch.device) -> tuple[AttentionBackend, str]:
@@ -21,9 +37,20 @@ def select_backend(name: str, device: torch.device) -> tuple[AttentionBackend, s
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "torch":
         return TORCH_BACKEND, "attention backend: torch (asked for)"
+    if name == "triton":
+        backend, why = _triton(device)
+        if backend is None:
+            raise ValueError(f"attention_backend='triton' cannot run here: {why}")
+        mode = "interpreted" if device.type == "cpu" else "compiled"
+        return backend, f"attention backend: triton (asked for, {mode}, in-place paged attention)"
     if device.type != "cpu":
         if name == "cpu":
             raise ValueError(f"attention_backend='cpu' runs on a CPU device only, not {device.type}")
+        if device.type == "cuda":
+            backend, why = _triton(device)
+            if backend is not None:
+                return backend, "attention backend: triton (on cuda, in-place paged attention)"
+            return TORCH_BACKEND, f"attention backend: torch (on cuda: {why})"
         return TORCH_BACKEND, f"attention backend: torch (on {device.type})"
     from kernels.cpu import CpuAttentionBackend, load, load_error
 

@@ -1,0 +1,341 @@
+"""Triton kernels: paged attention for a whole mixed step (split-KV with a log-sum-exp reduce), the
+KV store by slot mapping, RMSNorm with and without the residual add, SiLU-and-multiply and neox
+rotary in place.
+
+Importing this module imports Triton and decorates the kernels: ``TRITON_INTERPRET=1`` must be set
+before that for them to run on CPU tensors under the interpreter (``INTERPRETED`` records which).
+
+Attention reads K/V through the block table inside the kernel (no gather). A program owns one
+key/value head and a tile of query rows: ``BLOCK_Q`` query tokens of one sequence times the
+``GROUP`` query heads that share the KV head (padded to a power of two), so grouped-query heads
+read each key tile once. Keys are walked in tiles of ``BLOCK_N`` positions; each position finds its
+block through the table (``position // block_size``), so any block size works, powers of two or
+not. With ``NUM_SPLITS > 1`` the key range of a tile is cut into that many contiguous parts, each
+its own program (flash-decoding): they write unnormalised partial outputs with their running max
+and sum, and a reduce kernel merges them by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_pool_ptr, v_pool_ptr, out_ptr, part_ptr, part_m_ptr, part_l_ptr,
+    tile_seq_ptr, tile_q_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
+    sm_scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh,
+    stride_ps, stride_pt, stride_ph,
+    stride_ms, stride_mt,
+    stride_bt,
+    num_heads, block_size,
+    HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
+
+    seq = tl.load(tile_seq_ptr + tile)
+    q_off = tl.load(tile_q_ptr + tile)  # first query token of the tile, within the sequence
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len  # the sequence's i-th query token sits at prefix + i
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_off + rows // GROUP_P2  # query token within the sequence
+    head = kv_head * GROUP + rows % GROUP_P2
+    row_ok = (q_idx < q_len) & (rows % GROUP_P2 < GROUP)
+    q_pos = prefix + q_idx  # its position: it sees keys 0..q_pos
+    dims = tl.arange(0, HEAD_P2)
+    dim_ok = dims < HEAD_DIM
+
+    token = (q_begin + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # keys this tile needs: up to the last query's position (causal), split in NUM_SPLITS parts
+    last_q = tl.minimum(q_off + BLOCK_Q, q_len) - 1
+    kv_end = prefix + last_q + 1
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    start_tile = split * per_split
+    end_tile = tl.minimum(start_tile + per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    for t in range(start_tile, end_tile):
+        pos = t * BLOCK_N + offs_n
+        pos_ok = pos < kv_end
+        block = tl.load(table + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
+        within = (pos % block_size).to(tl.int64)
+        kv_ok = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_pool_ptr + block[:, None] * stride_kb + within[:, None] * stride_ks + kv_head * stride_kh
+                    + dims[None, :] * stride_kd, mask=kv_ok, other=0.0)
+        v = tl.load(v_pool_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
+                    + dims[None, :] * stride_vd, mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(part_ptr + split * stride_ps + token[:, None] * stride_pt + head[:, None] * stride_ph + dims[None, :],
+                 acc, mask=out_mask)
+        tl.store(part_m_ptr + split * stride_ms + token * stride_mt + head, m_i, mask=row_ok)
+        tl.store(part_l_ptr + split * stride_ms + token * stride_mt + head, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_ptr, part_m_ptr, part_l_ptr, token_begin,
+    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt,
+    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr,
+):
+    token = (token_begin + tl.program_id(0)).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    ok = splits < NUM_SPLITS
+    m = tl.load(part_m_ptr + splits * stride_ms + token * stride_mt + head, mask=ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + splits * stride_ms + token * stride_mt + head, mask=ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # empty splits weigh nothing
+    dims = tl.arange(0, HEAD_P2)
+    acc = tl.load(part_ptr + splits[:, None] * stride_ps + token * stride_pt + head * stride_ph + dims[None, :],
+                  mask=ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_pool_ptr, v_pool_ptr, slot_ptr, block_size, kv_heads,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_pkb, stride_pks, stride_pkh, stride_pkd, stride_pvb, stride_pvs, stride_pvh, stride_pvd,
+    HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr, HEADS_P2: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    block = tl.maximum(slot, 0) // block_size
+    within = tl.maximum(slot, 0) % block_size
+    heads = tl.arange(0, HEADS_P2)
+    dims = tl.arange(0, HEAD_P2)
+    slots = tl.zeros([HEADS_P2, HEAD_P2], tl.int64) + slot  # a tensor: the interpreter cannot mask by a scalar
+    mask = (heads[:, None] < kv_heads) & (dims[None, :] < HEAD_DIM) & (slots >= 0)
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=mask)
+    tl.store(k_pool_ptr + block * stride_pkb + within * stride_pks + heads[:, None] * stride_pkh
+             + dims[None, :] * stride_pkd, k, mask=mask)
+    tl.store(v_pool_ptr + block * stride_pvb + within * stride_pvs + heads[:, None] * stride_pvh
+             + dims[None, :] * stride_pvd, v, mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, out_ptr, weight_ptr, hidden, eps, stride_x, stride_r, stride_o,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:  # residual += x (rounded to the storage type), then normalise the residual
+        x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * stride_r + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    # weight * (x * inv) with the product rounded to the storage type first, as the torch version
+    normed = (xf * inv).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=ok, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded, as torch does
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rotary_neox_kernel(
+    positions_ptr, q_ptr, k_ptr, cache_ptr, stride_q, stride_k, stride_cache, num_q_heads, num_k_heads,
+    head_dim, HALF: tl.constexpr, HALF_P2: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    i = tl.arange(0, HALF_P2)
+    ok = i < HALF
+    if head < num_q_heads:
+        base = q_ptr + token * stride_q + head * head_dim
+    else:
+        base = k_ptr + token * stride_k + (head - num_q_heads) * head_dim
+    x1 = tl.load(base + i, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF + i, mask=ok, other=0.0)
+    # cos and sin rounded to the storage type first, as the torch version casts them
+    c = tl.load(cache_ptr + pos * stride_cache + i, mask=ok, other=0.0).to(x1.dtype).to(tl.float32)
+    s = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=ok, other=0.0).to(x1.dtype).to(tl.float32)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base + i, (a * c - b * s).to(x1.dtype), mask=ok)
+    tl.store(base + HALF + i, (b * c + a * s).to(x1.dtype), mask=ok)
+
+
+def _p2(n: int, at_least: int = 1) -> int:
+    return max(at_least, triton.next_power_of_2(max(1, int(n))))
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ([tokens, kv_heads, d], any strides) into their slots; slots < 0 are skipped."""
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _, block_size, kv_heads, head_dim = k_pool.shape
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_pool, v_pool, slot_mapping, block_size, kv_heads,
+        *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
+        HEAD_DIM=head_dim, HEAD_P2=_p2(head_dim), HEADS_P2=_p2(kv_heads),
+    )
+
+
+def attention_tiles(seqs: range, query_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
+    """(sequence, first query token) of every tile of ``block_q`` query tokens of ``seqs``."""
+    tile_seq, tile_q = [], []
+    for s in seqs:
+        for q in range(0, query_lens[s], block_q):
+            tile_seq.append(s)
+            tile_q.append(q)
+    return tile_seq, tile_q
+
+
+def paged_attention_launch(
+    query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    tile_seq: torch.Tensor, tile_q: torch.Tensor, token_begin: int, num_tokens: int,
+    scale: float, block_q: int, block_n: int, num_splits: int,
+) -> None:
+    """Attend the tiles (``tile_seq``, ``tile_q``) of one launch, writing ``out`` rows
+    [token_begin, token_begin + num_tokens); ``num_splits`` > 1 splits each tile's keys and merges."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    kv_heads = k_pool.shape[2]
+    group = num_heads // kv_heads
+    head_p2 = _p2(head_dim, 16)  # tl.dot takes operands of 16 or more along every axis
+    if num_splits > 1:
+        part = torch.empty(num_splits, out.shape[0], num_heads, head_p2, dtype=torch.float32, device=out.device)
+        part_m = torch.empty(num_splits, out.shape[0], num_heads, dtype=torch.float32, device=out.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part = part_m = part_l = out  # unused
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    grid = (tile_seq.numel(), kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        query, k_pool, v_pool, out, part, part_m, part_l,
+        tile_seq, tile_q, query_start_loc, seq_lens, block_tables,
+        scale * _LOG2E,
+        *query.stride(), *k_pool.stride(), *v_pool.stride(),
+        out.stride(0), out.stride(1),
+        part.stride(0), part.stride(1), part.stride(2),
+        part_m.stride(0), part_m.stride(1),
+        block_tables.stride(0),
+        num_heads, k_pool.shape[1],
+        HEAD_DIM=head_dim, HEAD_P2=head_p2, GROUP=group, GROUP_P2=_p2(group),
+        BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part, part_m, part_l, token_begin,
+            out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
+            part_m.stride(0), part_m.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_P2=_p2(num_splits), HEAD_DIM=head_dim, HEAD_P2=head_p2,
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, into a new tensor."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows, out, weight, rows.shape[1], eps, rows.stride(0), 0,
+                                           out.stride(0), HAS_RESIDUAL=False, BLOCK=_p2(rows.shape[1]))
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``residual += x``, ``x = rms_norm(residual)``; returns (x, residual).
+    Both [rows, hidden] with a contiguous last axis."""
+    if x.dim() != 2 or x.stride(1) != 1 or residual.shape != x.shape or residual.stride(1) != 1:
+        raise ValueError("fused_add_rms_norm takes x and residual of one [rows, hidden] shape, last axis contiguous")
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](x, residual, x, weight, x.shape[1], eps, x.stride(0), residual.stride(0),
+                                        x.stride(0), HAS_RESIDUAL=True, BLOCK=_p2(x.shape[1]))
+    return x, residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for x [..., 2d]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    d = rows.shape[1] // 2
+    out = torch.empty(rows.shape[0], d, dtype=x.dtype, device=x.device)
+    if rows.shape[0] and d:
+        block = min(1024, _p2(d))
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](rows, out, d, rows.stride(0), out.stride(0),
+                                                                    BLOCK=block)
+    return out.view(*x.shape[:-1], d)
+
+
+def rotary_neox_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary in place over query [T, heads * d] and key [T, kv_heads * d] (rows may be strided
+    views of a fused qkv output); ``cos_sin_cache`` [max_positions, rotary_dim] float32, cosines first."""
+    if query.dim() != 2 or key.dim() != 2 or query.stride(1) != 1 or key.stride(1) != 1:
+        raise ValueError("rotary_neox_ takes query and key as [tokens, heads * head_dim] with a contiguous last axis")
+    rot = cos_sin_cache.shape[1]
+    if rot % 2 or rot > head_dim or query.shape[1] % head_dim or key.shape[1] % head_dim:
+        raise ValueError(f"rotary_neox_: rotary_dim {rot} and the widths must fit head_dim {head_dim}")
+    num_q, num_k = query.shape[1] // head_dim, key.shape[1] // head_dim
+    if query.shape[0]:
+        _rotary_neox_kernel[(query.shape[0], num_q + num_k)](
+            positions, query, key, cos_sin_cache, query.stride(0), key.stride(0), cos_sin_cache.stride(0),
+            num_q, num_k, head_dim, HALF=rot // 2, HALF_P2=_p2(rot // 2),
+        )
+    return query, key
