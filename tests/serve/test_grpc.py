@@ -8,6 +8,7 @@ call them with the blocking stub. No Ray."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -44,6 +45,7 @@ class Server(NamedTuple):
     engine: AsyncLLM
     stub: kvserve_pb2_grpc.KVServeStub
     keyed_stub: kvserve_pb2_grpc.KVServeStub
+    keyed_address: str
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,8 @@ def server(model_dir):
     keyed_server, keyed_port = asyncio.run_coroutine_threadsafe(start(API_KEY), loop).result(TIMEOUT_S)
     address = f"127.0.0.1:{port}"
     with grpc.insecure_channel(address) as channel, grpc.insecure_channel(f"127.0.0.1:{keyed_port}") as keyed:
-        yield Server(address, engine, kvserve_pb2_grpc.KVServeStub(channel), kvserve_pb2_grpc.KVServeStub(keyed))
+        yield Server(address, engine, kvserve_pb2_grpc.KVServeStub(channel), kvserve_pb2_grpc.KVServeStub(keyed),
+                     f"127.0.0.1:{keyed_port}")
     for running in (grpc_server, keyed_server):
         asyncio.run_coroutine_threadsafe(running.stop(None), loop).result(TIMEOUT_S)
     loop.call_soon_threadsafe(loop.stop)
@@ -277,6 +280,17 @@ def test_example_client_against_the_server(server, offline):
         assert out.returncode == 0, out.stderr
         assert out.stdout == expected + "\n"
         assert "completion_tokens=" in out.stderr
+    base = [sys.executable, "-m", "api.grpc_client_example", "--address", server.keyed_address, "--prompt", "Hello",
+            "--max-tokens", "8", "--temperature", "0"]
+    for extra, env_key, code in (([], None, 1), (["--api-key", "nope"], None, 1), (["--api-key", API_KEY], None, 0),
+                                 ([], API_KEY, 0)):
+        env = {k: v for k, v in os.environ.items() if k != "KVSERVE_API_KEY"}
+        if env_key is not None:
+            env["KVSERVE_API_KEY"] = env_key
+        out = subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+        assert out.returncode == code, out.stderr
+        assert out.stdout == (expected + "\n" if code == 0 else "")
+        assert ("UNAUTHENTICATED" in out.stderr) == (code == 1)
 
 
 # --- the service logic alone, on a fake engine client -------------------------------------------------
