@@ -237,6 +237,10 @@ class EngineCore:
             request_outputs, stopped = self.outputs.process(core_outputs)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            for request_id, kind in self.outputs.take_failed().items():
+                output = self._fail_request(request_id, kind)
+                if output is not None:
+                    request_outputs.append(output)
         self.timings.record(time.perf_counter() - start, runner_output.forward_time_s,
                             runner_output.execute_time_s, execute_wall - runner_output.execute_time_s)
         return request_outputs
@@ -265,11 +269,16 @@ class EngineCore:
         if request_id is None:
             self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ERROR)
             return []
+        kind = exc.kind if isinstance(exc, StepFailedError) else type(exc).__name__
+        output = self._fail_request(request_id, kind)
+        return [output] if output is not None else []
+
+    def _fail_request(self, request_id: str, kind: str) -> RequestOutput | None:
+        """End a request the engine could not run: its blocks freed, its final output carrying the
+        error (one sentence naming the exception's type, nothing of its text)."""
         self.num_failed_requests += 1
         self.scheduler.finish_requests(self.outputs.sample_ids_of(request_id), RequestStatus.FINISHED_ERROR)
-        kind = exc.kind if isinstance(exc, StepFailedError) else type(exc).__name__
-        output = self.outputs.fail(request_id, f"the engine failed while running this request ({kind})")
-        return [output] if output is not None else []
+        return self.outputs.fail(request_id, f"the engine failed while running this request ({kind})")
 
     def _recover(self, failure: WorkerFailedError) -> None:
         """Rebuild the ranks and recompute every running request; the step that failed is lost

@@ -3,6 +3,7 @@ samples of a request, streaming deltas, and latency metrics."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ from engine.messages import CompletionOutput, EngineCoreOutput, RequestMetrics, 
 from engine.metrics import Histogram
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +56,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self._by_sample_id: dict[str, tuple[_RequestState, _Sample]] = {}
+        self._failed: dict[str, str] = {}
         self.latency = LatencyMetrics()
 
     def add_request(
@@ -77,28 +81,61 @@ class OutputProcessor:
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's outputs. Returns the outputs to deliver and the sample ids that a stop
-        string ended (the caller finishes them in the scheduler)."""
+        string ended (the caller finishes them in the scheduler). A request whose output cannot be
+        made (its detokenizer raised) is left out and named in ``take_failed()``; the others go on."""
         now = time.time()
         touched: dict[str, _RequestState] = {}
         stopped: list[str] = []
         for out in core_outputs:
-            state, sample = self._by_sample_id[out.req_id]
-            self._observe_token(state, sample, now, len(out.new_token_ids))
-            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-            sample.token_ids.extend(out.new_token_ids)
-            if sample.logprobs is not None and out.new_logprobs is not None:
-                sample.logprobs.append(out.new_logprobs)
-            stop_string = sample.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
-            if stop_string is not None:  # it cut the text, so it is the reason even on the last token
-                sample.finish_reason, sample.stop_reason = "stop", stop_string
-                if out.finish_reason is None:
-                    stopped.append(out.req_id)
-            elif out.finish_reason is not None:
-                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-            if sample.finish_reason is not None:
-                del self._by_sample_id[out.req_id]
+            entry = self._by_sample_id.get(out.req_id)
+            if entry is None or entry[0].request_id in self._failed:
+                continue
+            state, sample = entry
+            try:
+                stop = self._apply(state, sample, out, now)
+            except Exception as exc:  # noqa: BLE001 - this request fails, not the step
+                self._note_failure(state, exc)
+                continue
+            if stop:
+                stopped.append(out.req_id)
             touched[state.request_id] = state
-        return [self._make_output(s, now) for s in touched.values() if self._should_emit(s)], stopped
+        outputs = []
+        for state in touched.values():
+            if state.request_id in self._failed or not self._should_emit(state):
+                continue
+            try:
+                outputs.append(self._make_output(state, now))
+            except Exception as exc:  # noqa: BLE001
+                self._note_failure(state, exc)
+        return outputs, stopped
+
+    def _apply(self, state: _RequestState, sample: _Sample, out: EngineCoreOutput, now: float) -> bool:
+        """One sample's new tokens; True when a stop string ended it before the scheduler did."""
+        self._observe_token(state, sample, now, len(out.new_token_ids))
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        sample.token_ids.extend(out.new_token_ids)
+        if sample.logprobs is not None and out.new_logprobs is not None:
+            sample.logprobs.append(out.new_logprobs)
+        stop_string = sample.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
+        stopped = False
+        if stop_string is not None:  # it cut the text, so it is the reason even on the last token
+            sample.finish_reason, sample.stop_reason = "stop", stop_string
+            stopped = out.finish_reason is None
+        elif out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        if sample.finish_reason is not None:
+            del self._by_sample_id[out.req_id]
+        return stopped
+
+    def _note_failure(self, state: _RequestState, exc: Exception) -> None:
+        logger.error("making the output of request %r failed", state.request_id, exc_info=exc)
+        self._failed.setdefault(state.request_id, type(exc).__name__)
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests whose outputs could not be made since the last call: request id -> the
+        exception's name. The caller ends them (``fail``)."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request from outside; returns its final output (finish reason "abort")."""
@@ -121,7 +158,13 @@ class OutputProcessor:
             if sample.finish_reason is None:
                 sample.finish_reason = "error"
         self._by_sample_id = {k: v for k, v in self._by_sample_id.items() if v[0] is not state}
-        output = self._make_output(state, time.time())
+        try:
+            output = self._make_output(state, time.time())
+        except Exception:  # noqa: BLE001 - its text cannot be made: the tokens alone
+            self.requests.pop(request_id, None)
+            output = RequestOutput(request_id, state.prompt, state.prompt_token_ids,
+                                   [CompletionOutput(x.index, "", list(x.token_ids), x.finish_reason, x.stop_reason)
+                                    for x in state.samples], True, state.num_cached_tokens, state.metrics)
         output.error = error
         return output
 
@@ -151,10 +194,6 @@ class OutputProcessor:
 
     def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
         finished = state.finished
-        if finished:
-            state.metrics.finished_time = now
-            self.latency.e2e_latency.observe(now - state.metrics.arrival_time)
-            del self.requests[state.request_id]
         delta = state.output_kind == RequestOutputKind.DELTA
         outputs = []
         for sample in state.samples:
@@ -173,5 +212,9 @@ class OutputProcessor:
                 text = sample.detokenizer.visible_text(done)
             outputs.append(CompletionOutput(sample.index, text, new_tokens, sample.finish_reason,
                                             sample.stop_reason, logprobs))
+        if finished:
+            state.metrics.finished_time = now
+            self.latency.e2e_latency.observe(now - state.metrics.arrival_time)
+            del self.requests[state.request_id]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
                              state.num_cached_tokens, state.metrics)

@@ -145,3 +145,27 @@ def test_an_exception_inside_a_rank_rebuilds_nothing_and_fails_its_request_alone
     assert executor.restarts == 0 and stats["num_worker_restarts"] == 0
     assert stats["num_failed_steps"] == 2 and stats["num_failed_requests"] == 1
     assert stats["num_blocks_in_use"] == 0
+
+
+def test_a_request_whose_output_cannot_be_made_fails_alone(model_dirs):
+    """The detokenizer of one request raises: that request ends with an error, its blocks freed; the
+    others (in the same steps) produce their tokens."""
+    expected = reference_tokens(model_dirs, PROMPTS)
+    core = make_core(model_dirs, FakeExecutor())
+    for i, p in enumerate(PROMPTS):
+        core.add_request(f"r{i}", p, PARAMS)
+    core.add_request("bad", PROMPTS[0], PARAMS)
+    core.step()
+    _, sample = core.outputs._by_sample_id["bad#0"]
+
+    def broken(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    sample.detokenizer.update = broken
+    finals = run(core)
+    assert finals["bad"].error == "the engine failed while running this request (UnicodeDecodeError)"
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    assert {k: v.outputs[0].token_ids for k, v in finals.items() if k != "bad"} == expected
+    stats = core.stats()
+    assert stats["num_failed_requests"] == 1 and stats["num_failed_steps"] == 0
+    assert stats["num_blocks_in_use"] == 0 and not core.outputs.requests
