@@ -54,6 +54,10 @@ class AsyncLLM:
         """Admit a request whose outputs (and the error that ends it, if any) go to ``sink``, called
         on the event loop. Raises ValueError for invalid input and EngineOverloadedError when the
         waiting queue is full, before anything runs."""
+        if self.core.dead is not None:
+            raise EngineDeadError(str(self.core.dead))
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(sampling_params).__name__}")
         params = dataclasses.replace(sampling_params or SamplingParams(), output_kind=output_kind)
         text, token_ids = self.core.process_inputs(prompt)
         self.core.check_sampling_params(params)

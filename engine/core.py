@@ -196,6 +196,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine cannot run steps any more, or None while it can."""
+        return self._dead
+
     # --- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -207,7 +212,7 @@ class EngineCore:
         A lost rank rebuilds the ranks and recomputes every running request; an interruption
         (KeyboardInterrupt) rolls the step back and raises."""
         if self._dead is not None:
-            raise self._dead
+            raise EngineDeadError(str(self._dead))
         start = time.perf_counter()
         with self.lock:
             only = self._next_suspect()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from engine import AsyncLLM, SamplingParams
 from engine.core import EngineCore, EngineDeadError
 from engine.executor import Executor, StepFailedError, WorkerFailedError
 from engine.llm import engine_config
@@ -95,10 +95,12 @@ def test_a_rank_lost_after_every_rebuild_ends_in_engine_dead_not_a_loop(model_di
     with pytest.raises(EngineDeadError, match="after 3 restarts"):
         core.step()
     assert executor.restarts == 3 and core.stats()["num_worker_restarts"] == 3
-    # dead for good: no further rebuild is tried
+    # dead for good: no further rebuild is tried, and new requests are refused at once
     with pytest.raises(EngineDeadError):
         core.step()
     assert executor.restarts == 3 and executor.calls == 4
+    with pytest.raises(EngineDeadError, match="gives up"):
+        AsyncLLM(core.config, core=core).submit("r1", PROMPTS[1], PARAMS, lambda item: None)
 
 
 def test_rebuilds_outside_the_window_do_not_count(model_dirs, monkeypatch):
