@@ -54,7 +54,8 @@ class TritonAttentionBackend:
         if target_programs is None:
             target_programs = 8
             if torch.cuda.is_available():
-                target_programs = 2 * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                props = torch.cuda.get_device_properties(torch.cuda.current_device())
+                target_programs = 2 * props.multi_processor_count
         self.target_programs, self.min_split_tiles, self.max_splits = target_programs, min_split_tiles, max_splits
         self._plan_for: tuple | None = None  # (metadata, heads, KV heads) of the cached plan
         self._plan: list[_Launch] = []

@@ -9,10 +9,11 @@ Attention reads K/V through the block table inside the kernel (no gather). A pro
 key/value head and a tile of query rows: ``BLOCK_Q`` query tokens of one sequence times the
 ``GROUP`` query heads that share the KV head (padded to a power of two), so grouped-query heads
 read each key tile once. Keys are walked in tiles of ``BLOCK_N`` positions; each position finds its
-block through the table (``position // block_size``), so any block size works, powers of two or
-not. With ``NUM_SPLITS > 1`` the key range of a tile is cut into that many contiguous parts, each
-its own program (flash-decoding): they write unnormalised partial outputs with their running max
-and sum, and a reduce kernel merges them by log-sum-exp.
+block through the table (``position // BLOCK_SIZE``, a compile-time constant: one compilation per
+pool's block size), so any block size works, powers of two or not. With ``NUM_SPLITS > 1`` the key
+range of a tile is cut into that many contiguous parts, each its own program (flash-decoding): they
+write unnormalised partial outputs with their running max and sum, and a reduce kernel merges them
+by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def _paged_attention_kernel(
     stride_ps, stride_pt, stride_ph,
     stride_ms, stride_mt,
     stride_bt,
-    num_heads, block_size,
-    HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    num_heads,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -84,8 +86,8 @@ def _paged_attention_kernel(
     for t in range(start_tile, end_tile):
         pos = t * BLOCK_N + offs_n
         pos_ok = pos < kv_end
-        block = tl.load(table + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
-        within = (pos % block_size).to(tl.int64)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        within = (pos % BLOCK_SIZE).to(tl.int64)
         kv_ok = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_pool_ptr + block[:, None] * stride_kb + within[:, None] * stride_ks + kv_head * stride_kh
                     + dims[None, :] * stride_kd, mask=kv_ok, other=0.0)
@@ -272,8 +274,8 @@ def paged_attention_launch(
         part.stride(0), part.stride(1), part.stride(2),
         part_m.stride(0), part_m.stride(1),
         block_tables.stride(0),
-        num_heads, k_pool.shape[1],
-        HEAD_DIM=head_dim, HEAD_P2=head_p2, GROUP=group, GROUP_P2=_p2(group),
+        num_heads,
+        BLOCK_SIZE=k_pool.shape[1], HEAD_DIM=head_dim, HEAD_P2=head_p2, GROUP=group, GROUP_P2=_p2(group),
         BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
     )
     if num_splits > 1:

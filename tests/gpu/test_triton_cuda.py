@@ -1,0 +1,94 @@
+"""The Triton kernels compiled on CUDA against the naive reference (the interpreter runs the same
+checks on CPU in ``tests/kernels/triton``), bfloat16 included. Run with `make test-gpu`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import select_backend
+from kernels.norms import fused_add_rms_norm, rms_norm
+from kernels.rotary import apply_rotary_emb
+from tests.kernels.triton.common import Pool, edge_batch, run_step
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [(torch.float32, 2e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)]
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+
+
+def backend(**kw):
+    from kernels.triton import TritonAttentionBackend, ops
+
+    assert not ops.INTERPRETED, "TRITON_INTERPRET=1 is set: the kernels would not be compiled"
+    return TritonAttentionBackend(**kw)
+
+
+def test_auto_picks_triton_on_cuda():
+    chosen, why = select_backend("auto", torch.device("cuda"))
+    assert chosen.name == "triton", why
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 5, 8, 16, 32])
+@pytest.mark.parametrize("num_heads,kv_heads", [(4, 4), (8, 4), (8, 2), (8, 1)])
+def test_mixed_batches_on_cuda(dtype, tol, block_size, num_heads, kv_heads):
+    rng = random.Random(block_size * 100 + num_heads * 10 + kv_heads)
+    pool = Pool(600 if block_size == 1 else 200, block_size, kv_heads, 128, dtype=dtype, seed=rng.randint(0, 99),
+                device="cuda")
+    specs, tables = edge_batch(pool, num_decodes=6, num_prefills=3, rng=rng, max_blocks=90 // block_size + 1)
+    worst, out = run_step(pool, specs, tables, num_heads, backend(), dtype=dtype)
+    assert torch.isfinite(out).all() and worst < tol, (specs, worst)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 96, 128])
+def test_head_sizes_on_cuda(dtype, tol, head_dim):
+    pool = Pool(60, 16, 2, head_dim, dtype=dtype, seed=head_dim, device="cuda")
+    specs = [(1, 17), (1, 16), (30, 50), (40, 40)]
+    worst, out = run_step(pool, specs, [pool.blocks(s) for _, s in specs], 8, backend(), dtype=dtype)
+    assert torch.isfinite(out).all() and worst < tol
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_split_kv_on_cuda(dtype, tol):
+    pool = Pool(900, 16, 8, 128, dtype=dtype, seed=3, device="cuda")
+    specs = [(1, 9000)] + [(1, n) for n in range(1, 64, 7)] + [(17, 3000)]
+    tables = [pool.blocks(s) for _, s in specs]
+    split = backend()
+    worst, out = run_step(pool, specs, tables, 32, split, dtype=dtype)
+    assert split._plan[0].num_splits > 1 and torch.isfinite(out).all() and worst < tol
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_layer_ops_on_cuda(dtype, tol):
+    from kernels.triton import ops
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 256, generator=gen).to(dtype).cuda()
+    res = torch.randn(9, 256, generator=gen).to(dtype).cuda()
+    w = (1 + torch.randn(256, generator=gen) / 4).to(dtype).cuda()
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), atol=tol, rtol=tol)
+    want = fused_add_rms_norm(x.clone(), res.clone(), w, 1e-6)
+    got = ops.fused_add_rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
+    torch.testing.assert_close(got[0], want[0], atol=tol, rtol=tol)
+    g = torch.randn(5, 2 * 320, generator=gen).to(dtype).cuda()
+    torch.testing.assert_close(ops.silu_and_mul(g), F.silu(g[:, :320]) * g[:, 320:], atol=tol, rtol=tol)
+    qkv = torch.randn(7, (8 + 2 * 2) * 64, generator=gen).to(dtype).cuda()
+    q, k = qkv[:, :512], qkv[:, 512:640]
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    freqs = torch.arange(100, dtype=torch.float32)[:, None] * inv[None, :]
+    cache = torch.cat((freqs.cos(), freqs.sin()), -1).cuda()
+    pos = torch.tensor([0, 1, 5, 99, 42, 7, 3]).cuda()
+    want_q, want_k = apply_rotary_emb(q.reshape(7, 8, 64), k.reshape(7, 2, 64), pos, cache)
+    ops.rotary_neox_(pos, q, k, cache, 64)
+    torch.testing.assert_close(q.reshape(7, 8, 64), want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k.reshape(7, 2, 64), want_k, atol=tol, rtol=tol)
