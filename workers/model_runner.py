@@ -48,7 +48,8 @@ class ModelRunner:
             logger.info(why)
         self.batch = InputBatch(self.block_size, config.max_model_len, device, self.attention_backend,
                                 config.cascade_attention)
-        self.sampler = Sampler(device, config.seed) if tp.is_first_rank else None
+        argmax = getattr(self.attention_backend.layer_ops, "argmax", None)
+        self.sampler = Sampler(device, config.seed, argmax) if tp.is_first_rank else None
         self.eos_token_ids = tuple(config.model.eos_token_ids)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -33,9 +33,15 @@ def _seed_for(seed: int, output_index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + output_index) % (1 << 63)
 
 
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, argmax=None) -> None:
+        """``argmax``: a faster ``argmax(dim=-1)`` over float32 rows (the compiled CPU op), if any."""
         self.device = device
+        self.argmax = argmax or _torch_argmax
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
 
@@ -52,7 +58,7 @@ class Sampler:
 
         greedy = [r.params.is_greedy for r in rows]
         if all(greedy):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self.argmax(logits)
         else:
             token_ids = self._sample_random(logits, rows, greedy)
 
@@ -84,10 +90,10 @@ class Sampler:
         # a draw of exactly 0 would make p / q infinite (or NaN for a filtered token, which argmax
         # would pick): the smallest normal float keeps every quotient finite (p <= 1)
         race.clamp_(min=torch.finfo(race.dtype).tiny)
-        sampled = (probs / race).argmax(dim=-1)
+        sampled = self.argmax(probs / race)
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=logits.device)
-            sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(is_greedy, self.argmax(logits), sampled)
         return sampled
 
     @staticmethod

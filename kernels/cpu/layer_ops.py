@@ -16,6 +16,7 @@ class CpuLayerOps:
         self.linear = ops.linear.default  # F.linear; float32 batches of up to 512 rows split across threads
         self.rms_norm = ops.rms_norm.default  # (x, weight, eps) -> normed
         self.silu_and_mul = ops.silu_and_mul.default  # [.., 2d] -> silu(gate) * up, [.., d]
+        self.argmax = ops.argmax_rows.default  # float32 [rows, n] -> argmax(dim=-1), int64 [rows]
         self._fused_add_rms_norm = ops.fused_add_rms_norm.default
         self._rotary = ops.rotary_embedding.default
         self.decoder_stack = ops.decoder_stack.default

@@ -10,6 +10,7 @@ namespace kvserve {
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& input);
+at::Tensor argmax_rows(const at::Tensor& x);
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cache,
                       int64_t head_dim);
 

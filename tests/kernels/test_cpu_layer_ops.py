@@ -92,3 +92,29 @@ def test_linear_other_dtypes_fall_back():
     x = torch.randn(5, 32, dtype=torch.bfloat16)
     weight = torch.randn(48, 32, dtype=torch.bfloat16).t().contiguous().t()
     torch.testing.assert_close(OPS.linear(x, weight, None), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 15), (5, 16), (7, 100), (48, 4096), (2, 50257)])
+def test_argmax_rows_matches_torch(rows, n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(rows, n, generator=gen)
+    assert torch.equal(OPS.argmax(x), x.argmax(dim=-1))
+    # ties: the first of equal maxima, in any lane and in the tail
+    x = torch.randint(0, 3, (rows, n), generator=gen).float()
+    assert torch.equal(OPS.argmax(x), x.argmax(dim=-1))
+    x = torch.full((rows, n), float("-inf"))
+    assert torch.equal(OPS.argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("where", [0, 5, 16, 17, 4095])
+def test_argmax_rows_nan_is_picked_first(where):
+    x = torch.randn(3, 4096, generator=torch.Generator().manual_seed(where))
+    x[1, where] = float("nan")
+    x[1, 4095 - where // 2] = float("nan")
+    x[2, 100] = float("inf")
+    assert torch.equal(OPS.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_strided_rows():
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))[:, :257]  # a slice: row stride 300
+    assert torch.equal(OPS.argmax(x), x.argmax(dim=-1))
