@@ -28,7 +28,7 @@ def model_dir(model_dirs) -> str:
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    with LLM(model=model_dir, num_kv_blocks=600) as engine:
+    with LLM(model=model_dir, num_kv_blocks=600, max_n=800) as engine:  # 800 samples of one prompt
         yield engine
 
 
