@@ -14,6 +14,11 @@ scales replicas with these resources accounted. The reservations are sized for t
 will run on (`plan_reservations`): where the CPUs are too few for the replica, the scheduler actor
 and the Ingress to have bundles of their own, they take none and share the engine's or rank 0's,
 and a request that cannot fit at all stops the build with the setting to change.
+
+Failures: a replica rebuilds a scheduler actor that died in place (``max_engine_restarts``), after
+which its health check fails and Serve replaces it. While no engine can take a request (restarting,
+replaced, not placed) the Ingress answers 503 ``engine_unavailable`` with Retry-After (gRPC
+UNAVAILABLE), and /health and /v1/models answer 503, rather than leaving requests waiting.
 """
 
 from __future__ import annotations

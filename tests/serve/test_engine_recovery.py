@@ -151,3 +151,31 @@ def test_without_restarts_the_health_check_fails_and_serve_replaces_the_replica(
     from ray import serve
 
     serve.delete("replace")
+
+
+def test_a_replica_that_cannot_be_placed_gets_503s_not_a_wait(served, model_dirs, monkeypatch):
+    """On a cluster the build could not size (``cluster_cpus`` unknown, e.g. `serve run` against a
+    remote RAY_ADDRESS), a replica asking for more CPUs than exist never starts: requests are refused
+    with 503 at once, /health and /v1/models answer 503, instead of waiting for it forever."""
+    from ray import serve
+
+    import serve_app
+
+    url = served["url"]
+    monkeypatch.setattr(serve_app, "cluster_cpus", lambda: None)
+    app = serve_app.build_app({"model": model_dirs["llama"], "served_model_name": MODEL, "engine_cpus": 64})
+    serve.run_many([serve.RunTarget(target=app, name="unplaced", route_prefix="/")],
+                   wait_for_applications_running=False)
+    try:
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code != 404, timeout_s=60)
+        started = time.monotonic()
+        r = complete(url, timeout=30)
+        assert time.monotonic() - started < 5
+        assert_unavailable(r)
+        assert r.json()["error"]["message"].startswith("no engine replica is serving yet")
+        assert_unavailable(httpx.get(f"{url}/health", timeout=10))
+        assert_unavailable(httpx.get(f"{url}/v1/models", timeout=10))
+        status = serve.status().applications["unplaced"].deployments["LLMServer"]
+        assert status.replica_states.get("RUNNING", 0) == 0
+    finally:
+        serve.delete("unplaced")
