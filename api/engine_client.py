@@ -18,7 +18,7 @@ from typing import Protocol
 
 from api.openai_protocol import ErrorInfo, ErrorResponse
 from engine.async_engine import AsyncLLM
-from engine.core import EngineDeadError, EngineOverloadedError
+from engine.core import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.messages import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -100,9 +100,9 @@ class OpenAIError(Exception):
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> OpenAIError:
-        """ValueError → 400, EngineOverloadedError → 503, anything else (engine failures) → 500. An
-        exception re-raised by a remote call is judged, and reported, by its root cause (``root_cause``),
-        in ``clean_message``'s one line."""
+        """ValueError → 400, EngineOverloadedError → 503, anything else (engine failures, a request
+        the engine failed alone: ``request_failed``) → 500. An exception re-raised by a remote call
+        is judged, and reported, by its root cause (``root_cause``), in ``clean_message``'s one line."""
         if isinstance(exc, OpenAIError):
             return exc
         cause = root_cause(exc)
@@ -112,6 +112,8 @@ class OpenAIError(Exception):
             return cls(503, clean_message(cause), "server_error", code="engine_overloaded")
         if isinstance(exc, EngineDeadError) or isinstance(cause, EngineDeadError):
             return cls(500, clean_message(cause), "server_error", code="engine_dead")
+        if isinstance(exc, RequestFailedError) or isinstance(cause, RequestFailedError):
+            return cls(500, clean_message(cause), "server_error", code="request_failed")
         logger.error("request failed", exc_info=exc)
         return cls(500, f"internal error: {type(cause).__name__}", "server_error", code="internal_error")
 

@@ -52,7 +52,7 @@ from api import kvserve_pb2 as pb
 from api import kvserve_pb2_grpc
 from api.engine_client import EngineClient, aclose_quietly, clean_message, root_cause
 from api.limits import check_float, check_int, check_ints
-from engine.core import EngineDeadError, EngineOverloadedError
+from engine.core import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.messages import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -225,6 +225,8 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, clean_message(cause)
     if isinstance(exc, EngineDeadError) or isinstance(cause, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, clean_message(cause)
+    if isinstance(exc, RequestFailedError) or isinstance(cause, RequestFailedError):
+        return grpc.StatusCode.INTERNAL, clean_message(cause)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(cause).__name__}: {clean_message(cause)}"
 
 

@@ -24,7 +24,8 @@ from api import grpc_serving
 from api import kvserve_pb2 as pb
 from api import kvserve_pb2_grpc
 from api.engine_client import AsyncLLMClient
-from engine import LLM, AsyncLLM, EngineDeadError, EngineOverloadedError, SamplingParams, engine_config
+from engine import (LLM, AsyncLLM, EngineDeadError, EngineOverloadedError, RequestFailedError, SamplingParams,
+                    engine_config)
 from engine.messages import CompletionOutput, RequestOutput
 from engine.tokenizer import Tokenizer
 from tests.e2e.prompts import test_prompts as make_prompts
@@ -430,3 +431,8 @@ def test_api_key_on_a_serve_context(tokenizer, method):
     assert accepted.code is None and [t for r in responses for c in r.completions for t in c.token_ids] == [0, 1, 2]
     assert asyncio.run(call(None))  # an in-cluster Python call
     assert asyncio.run(call(FakeServeContext(), api_key=None))  # no key configured
+
+
+def test_a_request_the_engine_failed_alone_is_internal_with_its_sentence():
+    sentence = "the engine failed while running this request (IndexError)"
+    assert grpc_serving.grpc_status(RequestFailedError(sentence)) == (grpc.StatusCode.INTERNAL, sentence)

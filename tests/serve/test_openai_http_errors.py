@@ -20,7 +20,7 @@ import uvicorn
 
 from api.http_app import build_openai_app
 from api.openai_serving import OpenAIServing
-from engine import CompletionOutput, EngineDeadError, EngineOverloadedError, RequestOutput
+from engine import CompletionOutput, EngineDeadError, EngineOverloadedError, RequestFailedError, RequestOutput
 from engine.tokenizer import Tokenizer
 from tests.serve.openai_harness import (API_KEY, GREEDY, MODEL, REPLICA, app, assert_error,  # noqa: F401
                                         client, http, llm, model_dir, offline, parse_metrics, prompts, reference,
@@ -317,6 +317,8 @@ LEAKS = ("ray::", "ServeReplica", "pid=", "4242", "10.1.2.3", "5f2a9c0e", "Trace
     (ValueError("stop_token_ids must be in [0, 4096)"), 400, 400, "stop_token_ids must be in [0, 4096)"),
     (EngineOverloadedError("the queue holds 64 requests"), 503, "engine_overloaded", "the queue holds 64 requests"),
     (EngineDeadError("the workers are gone"), 500, "engine_dead", "the workers are gone"),
+    (RequestFailedError("the engine failed while running this request (IndexError)"), 500, "request_failed",
+     "the engine failed while running this request (IndexError)"),
     (RuntimeError("CUDA error at 0x7f00 in worker pid 99"), 500, "internal_error", "internal error: RuntimeError"),
 ])
 def test_errors_from_a_remote_call_reach_the_client_as_their_cause_in_one_clean_line(model_dir, run, cause, status,
