@@ -57,7 +57,8 @@ class TritonAttentionBackend:
                 props = torch.cuda.get_device_properties(torch.cuda.current_device())
                 target_programs = 2 * props.multi_processor_count
         self.target_programs, self.min_split_tiles, self.max_splits = target_programs, min_split_tiles, max_splits
-        self._plan_for: tuple | None = None  # (metadata, heads, KV heads) of the cached plan
+        # (metadata, what the plan depends on): a metadata object reused for another step gets a new plan
+        self._plan_for: tuple | None = None
         self._plan: list[_Launch] = []
 
     def num_splits(self, num_tiles: int, kv_heads: int, longest: int) -> int:
@@ -68,9 +69,11 @@ class TritonAttentionBackend:
         return max(1, min(wanted, key_tiles // self.min_split_tiles, self.max_splits))
 
     def plan(self, meta: PagedAttentionMetadata, num_heads: int, kv_heads: int) -> list[_Launch]:
-        """The step's launches, built once per step (the layers share the metadata)."""
+        """The step's launches, built once per step (the layers share the metadata; the plan's copy of
+        the lengths notices a metadata object refilled for another step)."""
+        key = (num_heads, kv_heads, meta.num_decodes, meta.query_lens, meta.context_lens)
         cached = self._plan_for
-        if cached is not None and cached[0] is meta and cached[1:] == (num_heads, kv_heads):
+        if cached is not None and cached[0] is meta and cached[1] == key:
             return self._plan
         group_p2 = 1 << max(0, (num_heads // kv_heads) - 1).bit_length()
         launches = []
@@ -84,7 +87,8 @@ class TritonAttentionBackend:
             num_tiles = sum(-(-meta.query_lens[s] // block_q) for s in seqs)
             splits = self.num_splits(num_tiles, kv_heads, max(meta.context_lens[s] for s in seqs))
             launches.append(_Launch(seqs, meta, block_q, splits))
-        self._plan_for, self._plan = (meta, num_heads, kv_heads), launches
+        self._plan_for, self._plan = (meta, (num_heads, kv_heads, meta.num_decodes, list(meta.query_lens),
+                                             list(meta.context_lens))), launches
         return launches
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,

@@ -49,6 +49,7 @@ def _paged_attention_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    split64 = split.to(tl.int64)  # offsets into the partial outputs can pass 2**31
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
 
     seq = tl.load(tile_seq_ptr + tile)
@@ -110,10 +111,10 @@ def _paged_attention_kernel(
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        tl.store(part_ptr + split * stride_ps + token[:, None] * stride_pt + head[:, None] * stride_ph + dims[None, :],
+        tl.store(part_ptr + split64 * stride_ps + token[:, None] * stride_pt + head[:, None] * stride_ph + dims[None, :],
                  acc, mask=out_mask)
-        tl.store(part_m_ptr + split * stride_ms + token * stride_mt + head, m_i, mask=row_ok)
-        tl.store(part_l_ptr + split * stride_ms + token * stride_mt + head, l_i, mask=row_ok)
+        tl.store(part_m_ptr + split64 * stride_ms + token * stride_mt + head, m_i, mask=row_ok)
+        tl.store(part_l_ptr + split64 * stride_ms + token * stride_mt + head, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -124,7 +125,7 @@ def _merge_splits_kernel(
 ):
     token = (token_begin + tl.program_id(0)).to(tl.int64)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_P2)
+    splits = tl.arange(0, SPLITS_P2).to(tl.int64)
     ok = splits < NUM_SPLITS
     m = tl.load(part_m_ptr + splits * stride_ms + token * stride_mt + head, mask=ok, other=float("-inf"))
     l = tl.load(part_l_ptr + splits * stride_ms + token * stride_mt + head, mask=ok, other=0.0)

@@ -158,3 +158,32 @@ def test_triton_where_it_cannot_run_is_a_clear_error(monkeypatch):
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'cpu', 'triton'\)"):
         select_backend("flash", torch.device("cpu"))
+
+
+def test_a_metadata_object_refilled_for_the_next_step_gets_a_new_plan():
+    import dataclasses
+
+    pool = Pool(40, 8, 2, 64, seed=9)
+    backend = TritonAttentionBackend()
+    first_specs = [(1, 9), (12, 12)]
+    first_tables = [pool.blocks(s) for _, s in first_specs]
+    _, _ = run_step(pool, first_specs, first_tables, 4, backend)
+    meta = backend._plan_for[0]
+    assert [launch.num_tokens for launch in backend._plan] == [1, 12]
+    # the next step refills the same object in place: one more token for both, now both decodes
+    gen = torch.Generator().manual_seed(4)
+    nxt = PagedAttentionMetadata.build([1, 1], [10, 13], first_tables, 8, backend=backend)
+    for field in dataclasses.fields(nxt):
+        value = getattr(nxt, field.name)
+        if isinstance(value, list):
+            getattr(meta, field.name)[:] = value  # lists refilled in place
+        else:
+            setattr(meta, field.name, value)
+    q = torch.randn(2, 4, 64, generator=gen)
+    kv = torch.randn(2, 2, 2, 64, generator=gen)
+    out = paged_attention(q, kv[0], kv[1], pool.k, pool.v, meta, 0.125)
+    assert [launch.num_tokens for launch in backend._plan] == [2]
+    for i, ((_, s), table) in enumerate(zip([(1, 10), (1, 13)], first_tables)):
+        k, v = pool.context(table, s)
+        ref = naive_causal_attention(q[i:i + 1].double(), k.double(), v.double(), 0.125)
+        torch.testing.assert_close(out[i:i + 1].double(), ref, atol=1e-5, rtol=1e-5)
