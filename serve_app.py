@@ -89,6 +89,13 @@ class AppArgs(BaseModel):
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     attention_backend: Literal["auto", "torch", "cpu"] = "auto"
     cascade_attention: bool = True
+    max_worker_restarts: int = 3  # rank-group rebuilds within worker_restart_window_s before the engine is dead
+    worker_restart_window_s: float = 600.0
+    worker_restart_backoff_s: float = 1.0
+    max_n: int = 128  # caps on one request's work (a request over them gets a 400)
+    max_logprobs: int = 20
+    max_stop_sequences: int = 64
+    max_stop_token_ids: int = 1024
     num_replicas: int | None = None
     min_replicas: int | None = None
     max_replicas: int | None = None
@@ -150,14 +157,20 @@ def _cause(exc: RayTaskError) -> BaseException:
     return cause if isinstance(cause, Exception) else exc
 
 
+def _engine_gave_up(error: BaseException) -> bool:
+    """The engine runs but gave up on its ranks (not one that stopped: that is EngineUnavailableError)."""
+    return isinstance(error, EngineDeadError) and not isinstance(error, EngineUnavailableError)
+
+
 class LLMServer:
     """One engine instance: starts its scheduler actor (and ranks) in this replica's placement group.
 
     A scheduler actor that dies is noticed by the next call to it (a request, the routing-stats
     refresh every second, the health check) and rebuilt in place, in the same bundles, up to
     ``max_engine_restarts`` times; meanwhile requests are refused with EngineUnavailableError. A
-    rebuild that fails, or one more death, makes ``check_health`` fail: Serve then replaces the
-    replica (and its placement group)."""
+    rebuild that fails, one more death, or an engine that gave up on its ranks (EngineDeadError:
+    ``max_worker_restarts`` spent) makes ``check_health`` fail: Serve then replaces the replica (and
+    its placement group)."""
 
     async def __init__(self, config: EngineConfig, args: AppArgs, use_gpu: bool, plan: Reservations) -> None:
         ctx = serve.get_replica_context()
@@ -219,6 +232,12 @@ class LLMServer:
         self._restarting = asyncio.get_running_loop().create_task(
             self._restart_engine(engine), context=contextvars.Context())  # not a child of a request's task
 
+    def _engine_is_dead(self, engine, error: BaseException) -> None:
+        """``engine`` runs but can serve no more (it gave up on its ranks): the health check fails."""
+        if engine is self.engine and self._dead is None:
+            self._dead = f"the engine is dead: {error}"
+            logger.error("%s: %s", self.engine_name, self._dead)
+
     async def _restart_engine(self, dead) -> None:
         self.num_engine_restarts += 1
         started = time.monotonic()
@@ -241,7 +260,11 @@ class LLMServer:
         try:
             await engine.add_request.remote(request_id, prompt_token_ids, params, cache_salt, subscriber)
         except RayTaskError as exc:
-            raise _cause(exc) from None
+            cause = _cause(exc)
+            if _engine_gave_up(cause):  # its ranks are given up on: a new replica is needed
+                self._engine_is_dead(engine, cause)
+                raise EngineUnavailableError(f"{ENGINE_STOPPED}; a new replica is starting") from None
+            raise cause from None
         except RayActorError as exc:
             self._engine_died(engine, exc)
             raise EngineUnavailableError(ENGINE_STOPPED + "; retry shortly") from None
@@ -288,6 +311,11 @@ class LLMServer:
         engine = self.engine
         try:
             await asyncio.wait_for(engine.ready.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
+        except RayTaskError as exc:
+            cause = _cause(exc)
+            if _engine_gave_up(cause):
+                self._engine_is_dead(engine, cause)
+            raise RuntimeError(self._dead or f"the engine's health check failed: {type(cause).__name__}") from None
         except RayActorError as exc:
             self._engine_died(engine, exc)
             if self._dead is not None or self._restarting is None:
@@ -646,7 +674,10 @@ def build_app(args: AppArgs | dict | None = None):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, seed=args.seed, device=args.device,
         placement_strategy=args.placement_strategy, attention_backend=args.attention_backend,
-        cascade_attention=args.cascade_attention,
+        cascade_attention=args.cascade_attention, max_worker_restarts=args.max_worker_restarts,
+        worker_restart_window_s=args.worker_restart_window_s, worker_restart_backoff_s=args.worker_restart_backoff_s,
+        max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences,
+        max_stop_token_ids=args.max_stop_token_ids,
     )
     use_gpu = _use_gpu(args.device)
     plan = plan_reservations(args, use_gpu, cluster_cpus())

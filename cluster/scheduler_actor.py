@@ -55,6 +55,9 @@ class SchedulerActor:
         self._finished: dict[str, asyncio.Event] = {}
 
     def ready(self) -> dict:
+        """This actor's pid and pool size; raises EngineDeadError once the engine gave up on its ranks."""
+        if self.engine.core.dead is not None:
+            raise self.engine.core.dead
         return {"pid": os.getpid(), "num_kv_blocks": self.engine.core.num_kv_blocks}
 
     async def generate(

@@ -28,6 +28,9 @@ def test_engine_settings_are_validated_when_the_app_is_built(model_dirs, tmp_pat
         build_app({"model": model_dirs["llama"], "block_size": 0})
     with pytest.raises(ValueError, match="max_model_len"):
         build_app({"model": model_dirs["llama"], "max_model_len": 10**6})
+    for cap in ("max_n", "max_stop_sequences", "max_worker_restarts"):  # engine settings pass through
+        with pytest.raises(ValueError, match=cap):
+            build_app({"model": model_dirs["llama"], cap: -1})
 
 
 def test_each_replica_reserves_its_engine_and_ranks():

@@ -179,3 +179,38 @@ def test_a_replica_that_cannot_be_placed_gets_503s_not_a_wait(served, model_dirs
         assert status.replica_states.get("RUNNING", 0) == 0
     finally:
         serve.delete("unplaced")
+
+
+def test_an_engine_that_gives_up_on_its_ranks_is_replaced_with_its_replica(served, model_dirs):
+    """tp = 2 with no rank rebuild allowed: a killed rank makes the engine dead (its actor still
+    runs). New requests get 503, /health 503, the health check fails, and Serve replaces the replica."""
+    import os
+    import signal
+
+    import ray
+
+    url = served["url"]
+    deploy(model_dirs["qwen2"], "giveup", tensor_parallel_size=2, max_worker_restarts=0)
+    assert complete(url).status_code == 200
+    [name] = engine_names("giveup")
+    pids = ray.get(ray.get_actor(name, namespace="kvserve").worker_pids.remote())
+    os.kill(pids[1], signal.SIGKILL)
+    # the next step finds the rank gone and the engine gives up; a request may be the one that ran it
+    first = complete(url)
+    assert first.status_code in (500, 503), first.text
+    if first.status_code == 500:  # in flight when the engine died
+        assert first.json()["error"]["code"] == "engine_dead"
+        assert_unavailable(complete(url))
+    else:
+        assert_unavailable(first)
+    assert_unavailable(wait_for(lambda: (r := httpx.get(f"{url}/health", timeout=10)).status_code == 503 and r,
+                                timeout_s=10, interval_s=0.2))
+    seconds, refused = until_served(url, timeout_s=90)
+    for r in refused:
+        assert_unavailable(r)
+    print(f"a new replica serves {seconds:.1f}s after the engine gave up")
+    assert engine_names("giveup") != [name]
+    assert httpx.get(f"{url}/health").status_code == 200
+    from ray import serve
+
+    serve.delete("giveup")
