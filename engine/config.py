@@ -9,7 +9,7 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 TP_DISPATCH = ("remote", "compiled")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def _read_json(path: Path) -> dict:

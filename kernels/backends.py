@@ -1,7 +1,8 @@
 """Choosing the attention backend: once per engine, from its ``attention_backend`` setting.
 
-``auto`` takes Triton on a CUDA device when it imports, else plain torch there, and the compiled CPU
-kernels on a CPU device when they load (build) here, else plain torch; ``cpu`` insists on the
+``auto`` takes plain torch on a CUDA device (the Triton kernels become its choice there once they have
+run compiled on a GPU; until then they are asked for by name), and the compiled CPU kernels on a CPU
+device when they load (build) here, else plain torch; ``cpu`` insists on the
 compiled kernels (a clear error at start where they cannot build); ``triton`` insists on the Triton
 kernels (a clear error at start where Triton does not import, or on a CPU device unless the Triton
 interpreter is on: ``TRITON_INTERPRET=1``); ``torch`` is plain torch on any device.
@@ -47,10 +48,10 @@ def select_backend(name: str, device: torch.device) -> tuple[AttentionBackend, s
         if name == "cpu":
             raise ValueError(f"attention_backend='cpu' runs on a CPU device only, not {device.type}")
         if device.type == "cuda":
-            backend, why = _triton(device)
-            if backend is not None:
-                return backend, "attention backend: triton (on cuda, in-place paged attention)"
-            return TORCH_BACKEND, f"attention backend: torch (on cuda: {why})"
+            # the Triton kernels become the default on CUDA once they have run compiled on a GPU;
+            # until then they are asked for by name
+            return TORCH_BACKEND, ("attention backend: torch (on cuda; attention_backend='triton' selects the "
+                                   "Triton kernels)")
         return TORCH_BACKEND, f"attention backend: torch (on {device.type})"
     from kernels.cpu import CpuAttentionBackend, load, load_error
 

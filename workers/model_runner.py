@@ -18,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from kernels import PagedAttentionMetadata, select_backend
 from workers.input_batch import InputBatch, RequestState
 from workers.kv_pool import KVPoolSpec, allocate_kv_pool
-from workers.layers.kernels import bind_cpu_kernels
+from workers.layers.kernels import bind_cpu_kernels, bind_layer_ops
 from workers.models.registry import kv_cache_shape, resolve_architecture
 from workers.parallel_state import TPGroup
 from workers.sampler import Sampler, SamplingRow
@@ -44,6 +44,8 @@ class ModelRunner:
         self.attention_backend, why = select_backend(config.attention_backend, device)
         if self.attention_backend.layer_ops is not None:
             bind_cpu_kernels(self.model, self.attention_backend.layer_ops)
+        elif getattr(self.attention_backend, "fused_ops", None) is not None:
+            bind_layer_ops(self.model, self.attention_backend.fused_ops)
         if tp.is_first_rank:
             logger.info(why)
         self.batch = InputBatch(self.block_size, config.max_model_len, device, self.attention_backend,

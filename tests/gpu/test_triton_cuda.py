@@ -31,9 +31,9 @@ def backend(**kw):
     return TritonAttentionBackend(**kw)
 
 
-def test_auto_picks_triton_on_cuda():
-    chosen, why = select_backend("auto", torch.device("cuda"))
-    assert chosen.name == "triton", why
+def test_triton_asked_for_on_cuda_is_compiled():
+    chosen, why = select_backend("triton", torch.device("cuda"))
+    assert chosen.name == "triton" and why == "attention backend: triton (asked for, compiled, in-place paged attention)"
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)

@@ -32,6 +32,14 @@ def _transposed_layout(weight: torch.Tensor) -> torch.Tensor:
     return storage.t()
 
 
+def bind_layer_ops(model: nn.Module, ops) -> None:
+    """Route ``model``'s norms, gated activations and rotary through ``ops`` (e.g. the Triton
+    backend's ``fused_ops``), leaving the weights and the layer stack as they are."""
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
+
+
 def bind_cpu_kernels(model: nn.Module, layer_ops) -> None:
     """Route ``model``'s norms, gated activations and rotary through ``layer_ops`` and lay its
     linear weights out for BLAS. Call after the weights are loaded."""
