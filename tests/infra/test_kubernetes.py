@@ -17,11 +17,13 @@ import copy
 import json
 import re
 
+import click
 import pytest
 import yaml
 from jsonschema import Draft202012Validator, ValidationError as SchemaError
 from kubernetes.client import V1Job, V1PersistentVolumeClaim, V1PodTemplateSpec, V1Service
 from pydantic import ValidationError
+from ray.scripts.scripts import start
 
 from tests.infra.manifests import (API_KEY_ENV, GRPC_PORT, HTTP_PORT, METRICS_PORT, MODEL_VOLUME, RAYSERVICE_SCHEMA,
                                    app_args, container_port, load_all_yaml, pyproject, ray_container, ray_groups,
@@ -123,6 +125,20 @@ def test_head_has_no_gpus_and_the_worker_group_one_gpu_each(service):
     for group in ray_groups(service).values():  # Pods with a fixed size: requests equal limits
         for kind in ("cpu", "memory"):
             assert ray_container(group)["resources"]["requests"][kind] == ray_container(group)["resources"]["limits"][kind]
+
+
+def test_ray_start_params_are_ray_start_options(service):
+    """KubeRay passes rayStartParams to `ray start` as --key=value: Ray's own CLI parses them here."""
+    parsed = {}
+    for name, group in ray_groups(service).items():
+        role = ["--head"] if name == "head" else ["--address=kvserve-head-svc:6379"]
+        flags = [f"--{key}={value}" for key, value in group["rayStartParams"].items()]
+        parsed[name] = start.make_context("start", role + flags).params
+    assert (parsed["head"]["num_gpus"], parsed["head"]["dashboard_host"]) == (0, "0.0.0.0")
+    assert parsed["gpu"]["num_gpus"] is None  # KubeRay sets it from the container's nvidia.com/gpu limit
+    assert {options["metrics_export_port"] for options in parsed.values()} == {METRICS_PORT}
+    with pytest.raises(click.UsageError):
+        start.make_context("start", ["--head", "--num-gpu=0"])
 
 
 def test_ports_http_grpc_and_ray_metrics(service):
