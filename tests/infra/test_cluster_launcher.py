@@ -1,7 +1,8 @@
 """infra/cluster.yaml through Ray's own cluster-config path, as `ray up` runs it before it reaches the cloud:
 ray.autoscaler._private.util.prepare_config (the provider's defaults merged, node types filled in) and
-validate_config (Ray's ray-schema.json plus its node-type checks). Not checked: the AWS side (instance
-types, AMI, credentials), which `ray up` resolves against AWS itself."""
+validate_config (Ray's ray-schema.json plus its node-type checks); the `ray start` commands parsed by Ray's
+own CLI. Not checked: the AWS side (instance types, AMI, credentials), which `ray up` resolves against AWS
+itself, and the setup commands, which run only on the nodes."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ model volume manifests against the Kubernetes API's models.
 
 - KubeRay: no package reachable here ships the RayService CRD, so tests/infra/rayservice_v1_subset.schema.json
   is written by hand from KubeRay's v1 API types (the fields kvserve uses, their types, int32 ranges,
-  enums, required fields, no unknown field) and applied with jsonschema; KubeRay's own group rules
-  (replica bounds, unique group names) are checked below.
+  enums, required fields, no unknown field) and applied with jsonschema; KubeRay's group rules (replica
+  bounds) are checked below, and the rayStartParams are parsed by Ray's own `ray start` CLI.
 - Kubernetes: the Pod templates, the serve Service and the model volume's PersistentVolumeClaim and Job
   are validated by the `kubernetes` client's generated models (pydantic, unknown fields forbidden, strict
   types: a resource quantity must be a string), plus some of the API server's field rules (port names,
