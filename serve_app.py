@@ -28,6 +28,7 @@ import contextvars
 import hmac
 import logging
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -67,6 +68,14 @@ NO_ENGINE = "no engine replica is serving yet (starting, restarting or waiting f
 logger = logging.getLogger("ray.serve")
 
 
+def api_key_from_env(name: str) -> str:
+    """The API key held by the environment variable ``name`` (``api_key_env``)."""
+    key = os.environ.get(name, "")
+    if not key:
+        raise ValueError(f"api_key_env={name}: the environment variable {name} is not set (or empty) on this node")
+    return key
+
+
 class AppArgs(BaseModel):
     """Arguments of `serve run serve_app:app key=value ...` (validated; unknown keys are errors)."""
 
@@ -87,7 +96,7 @@ class AppArgs(BaseModel):
     max_model_len: int | None = None
     seed: int = 0
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
-    attention_backend: Literal["auto", "torch", "cpu"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     cascade_attention: bool = True
     max_worker_restarts: int = 3  # rank-group rebuilds within worker_restart_window_s before the engine is dead
     worker_restart_window_s: float = 600.0
@@ -105,6 +114,9 @@ class AppArgs(BaseModel):
     router: Literal["prefix", "pow2"] = "prefix"
     router_imbalance: int = 8  # queue-length gap beyond which the router prefers the least loaded replica
     api_key: str | None = None
+    # the name of an environment variable that holds the API key on the Ingress's node: the key itself
+    # never enters Serve's stored config or its logs
+    api_key_env: str | None = None
     max_waiting_requests: int = 512
     stream_interval: int = Field(1, ge=1)  # streamed tokens per chunk (fewer, larger SSE chunks when > 1)
     # logical CPUs of the engine bundle (tp = 1) or of each rank bundle (at least 1: a rank actor takes one)
@@ -128,6 +140,8 @@ class AppArgs(BaseModel):
         low, high = self.replica_range
         if self.autoscaling and not 0 <= low <= high:
             raise ValueError(f"need 0 <= min_replicas <= max_replicas, got {low} and {high}")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("give api_key or api_key_env (the name of a variable holding the key), not both")
         if self.tensor_parallel_size > 1 and self.engine_cpus < 1:
             raise ValueError(f"engine_cpus={self.engine_cpus:g} is less than the one CPU each tensor-parallel rank "
                              f"actor takes: give engine_cpus >= 1 at tensor_parallel_size > 1")
@@ -506,14 +520,15 @@ class Ingress:
     """HTTP (OpenAI API), gRPC and Python-handle entry point of the application."""
 
     def __init__(self, llm_server: DeploymentHandle, model_dir: str, served_model_name: str,
-                 max_model_len: int, api_key: str | None, stream_interval: int = 1, min_engines: int = 1) -> None:
+                 max_model_len: int, api_key: str | None, stream_interval: int = 1, min_engines: int = 1,
+                 api_key_env: str | None = None) -> None:
         self.tokenizer = Tokenizer(model_dir)
         self.app_name = serve.get_replica_context().app_name
         self.engines = EngineWatch(self.app_name, min_engines)
         self.client = ServeEngineClient(llm_server, self.engines)
         self.serving = OpenAIServing(self.client, self.tokenizer, served_model_name, max_model_len, stream_interval)
         self.served_model_name = served_model_name
-        self.api_key = api_key
+        self.api_key = api_key if api_key_env is None else api_key_from_env(api_key_env)
 
     def __serve_build_asgi_app__(self):
         app = build_openai_app(lambda: self.serving, api_key=self.api_key, metrics_text=self.metrics_text)
@@ -559,10 +574,11 @@ class Ingress:
     # --- gRPC (Serve's gRPC proxy calls these by method name) --------------------------------------
 
     async def Generate(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
-        return await grpc_serving.generate(request, self.client, self.tokenizer, grpc_context)
+        return await grpc_serving.generate(request, self.client, self.tokenizer, grpc_context, api_key=self.api_key)
 
     async def GenerateStream(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
-        async for response in grpc_serving.generate_stream(request, self.client, self.tokenizer, grpc_context):
+        async for response in grpc_serving.generate_stream(request, self.client, self.tokenizer, grpc_context,
+                                                           api_key=self.api_key):
             yield response
 
 
@@ -716,8 +732,10 @@ def build_app(args: AppArgs | dict | None = None):
         name="Ingress", ray_actor_options={"num_cpus": plan.ingress_cpus}, max_ongoing_requests=10_000,
     )
     min_engines = args.replica_range[0] if args.autoscaling else (args.num_replicas or 1)
+    if args.api_key_env is not None:
+        api_key_from_env(args.api_key_env)  # set where the app is built too: a missing key stops the build
     return ingress.bind(llm_server, args.model, served_name, config.max_model_len, args.api_key,
-                        args.stream_interval, min_engines)
+                        args.stream_interval, min_engines, args.api_key_env)
 
 
 app = build_app

@@ -39,6 +39,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.chaos import add_chaos_arguments, add_soak_arguments, run_chaos_command, run_soak_command
     from benchmarks.cli import add_bench_arguments, run_bench
+    from benchmarks.fuzz import add_fuzz_arguments, run_fuzz
     from benchmarks.online_vllm import add_bench_online_vllm_arguments, run_bench_online_vllm
     from benchmarks.profile_step import add_profile_step_arguments, run_profile_step
     from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
@@ -78,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
                                "process, errors, KV blocks in use at the end")
     add_soak_arguments(soak)
     soak.set_defaults(run=run_soak_command)
+    fuzz = commands.add_parser("fuzz", help="malformed OpenAI requests beside good ones against the in-process app: "
+                               "shares answered 4xx, 5xx, hung, and good requests failed")
+    add_fuzz_arguments(fuzz)
+    fuzz.set_defaults(run=run_fuzz)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -97,3 +97,19 @@ def test_build_sizes_for_the_local_cluster_serve_run_will_start(model_dirs, monk
     assert llm_server.ray_actor_options["num_cpus"] <= bundles[0]["CPU"]
     with pytest.raises(ValueError, match=f"tensor_parallel_size={int(local) + 1} with engine_cpus=1 per rank"):
         build_app({"model": model_dirs["llama"], "tensor_parallel_size": int(local) + 1})
+
+
+def test_api_key_from_an_environment_variable(model_dirs, monkeypatch):
+    """api_key_env names a variable: the Ingress reads the key from its node's environment, so Serve's
+    stored config holds the variable's name only; a variable unset where the app is built stops the build."""
+    with pytest.raises(ValidationError, match="api_key or api_key_env"):
+        AppArgs(api_key="k", api_key_env="KVSERVE_API_KEY")
+    monkeypatch.delenv("KVSERVE_TEST_KEY", raising=False)
+    with pytest.raises(ValueError, match="^api_key_env=KVSERVE_TEST_KEY: the environment variable KVSERVE_TEST_KEY "
+                                         "is not set \\(or empty\\) on this node$"):
+        build_app({"model": model_dirs["llama"], "api_key_env": "KVSERVE_TEST_KEY"})
+    monkeypatch.setenv("KVSERVE_TEST_KEY", "s3cret-key")
+    app = build_app({"model": model_dirs["llama"], "api_key_env": "KVSERVE_TEST_KEY"})
+    bound = app._bound_deployment
+    assert bound.init_args[4] is None and bound.init_args[-1] == "KVSERVE_TEST_KEY"
+    assert "s3cret-key" not in repr(bound.init_args) + repr(bound.init_kwargs)

@@ -105,16 +105,24 @@ def test_grpc_through_serve_proxy(served, offline):
     stub = pb_grpc.KVServeStub(grpc.insecure_channel(served["grpc"]))
     request = pb.GenerateRequest(text="A quiet morning", params=pb.SamplingParameters(
         max_tokens=7, temperature=0.0, ignore_eos=True))
-    unary = stub.Generate(request, metadata=[("application", "kvserve")])
+    authorized = [("application", "kvserve"), ("authorization", f"Bearer {API_KEY}")]
+    unary = stub.Generate(request, metadata=authorized)
     assert unary.completions[0].text == greedy_text(offline, "A quiet morning", 7)
     assert unary.usage.completion_tokens == 7
-    streamed = list(stub.GenerateStream(request, metadata=[("application", "kvserve")]))
+    streamed = list(stub.GenerateStream(request, metadata=authorized))
     assert "".join(c.text for m in streamed for c in m.completions) == unary.completions[0].text
     assert streamed[-1].usage.completion_tokens == 7
     with pytest.raises(grpc.RpcError) as err:
-        stub.Generate(pb.GenerateRequest(text="x", params=pb.SamplingParameters(top_p=2.0)),
-                      metadata=[("application", "kvserve")])
+        stub.Generate(pb.GenerateRequest(text="x", params=pb.SamplingParameters(top_p=2.0)), metadata=authorized)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # the app's api_key guards gRPC as it guards HTTP: no key, or a wrong one, is UNAUTHENTICATED
+    for metadata in ([("application", "kvserve")], [("application", "kvserve"), ("authorization", "Bearer wrong")]):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(request, metadata=metadata)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.GenerateStream(request, metadata=metadata))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_metrics_are_present_and_move(served, client):
