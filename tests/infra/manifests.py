@@ -22,12 +22,6 @@ HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 9000, 8080
 API_KEY_ENV = "KVSERVE_API_KEY"
 GRPC_SERVICER = "api.kvserve_pb2_grpc.add_KVServeServicer_to_server"
 
-# AppArgs keys the cluster files use that serve_app may not define yet: the API key is read from the
-# environment variable named by `api_key_env` (so that it never sits in Serve's stored config). Once
-# serve_app.AppArgs has the field, app_args() checks it there like every other key.
-PENDING_APP_ARGS = frozenset({"api_key_env"})
-
-
 def load_yaml(path: Path) -> dict:
     with open(path) as f:
         return yaml.safe_load(f)
@@ -54,10 +48,7 @@ def app_args(args: dict):
     """serve_app.AppArgs validated from an application's `args` (raises pydantic's ValidationError)."""
     from serve_app import AppArgs
 
-    pending = PENDING_APP_ARGS - set(AppArgs.model_fields)
-    if "api_key_env" in pending and "api_key_env" in args:
-        assert re.fullmatch(r"[A-Z_][A-Z0-9_]*", args["api_key_env"]), args["api_key_env"]
-    return AppArgs.model_validate({key: value for key, value in args.items() if key not in pending})
+    return AppArgs.model_validate(args)
 
 
 def rayservice() -> dict:
