@@ -46,11 +46,11 @@ from ray.serve.handle import DeploymentHandle
 from api import grpc_serving
 from api.engine_client import OpenAIError
 from api.http_app import build_openai_app
+from api.metrics import prometheus_text
 from api.openai_serving import OpenAIServing
 from cluster.scheduler_actor import launch_scheduler_actor
 from engine import EngineDeadError, EngineOverloadedError, SamplingParams, engine_config
 from engine.config import EngineConfig
-from engine.metrics import prometheus_text
 from engine.messages import RequestOutput, merge_outputs
 from engine.sampling_params import RequestOutputKind
 from engine.tokenizer import Tokenizer
@@ -536,7 +536,8 @@ class Ingress:
         return app
 
     async def metrics_text(self) -> str:
-        """Prometheus text for every LLMServer replica of this application."""
+        """Prometheus text (prometheus_client's exposition, api/metrics.py) for every LLMServer
+        replica of this application, labelled by replica."""
         prefix = f"engine:{self.app_name}:"
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a.get("namespace") == ENGINE_NAMESPACE and a["name"].startswith(prefix)]

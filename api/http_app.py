@@ -34,10 +34,11 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.engine_client import OpenAIError
+from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from api.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api.openai_serving import EventStream, OpenAIServing
 
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PROMETHEUS_CONTENT_TYPE = METRICS_CONTENT_TYPE  # prometheus_client's classic text format (0.0.4)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 
 

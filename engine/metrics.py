@@ -1,4 +1,5 @@
-"""Counters and histograms the engine keeps; exported as Prometheus text by the Serve app."""
+"""Counters and histograms the engine keeps (stdlib only). ``api/metrics.py`` turns the stats dicts
+built from them into Prometheus metric families at scrape time."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-# seconds; the same spirit as vLLM's buckets, so dashboards carry over
+# seconds; the same spirit as vLLM's buckets, so dashboards carry over, and reaching long generations
+# (a 2k-token answer at 30 ms a token is a minute end to end)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+                   5.0, 7.5, 10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0, 240.0, 480.0, 960.0)
+# tokens per request (prompt or generated): 1-2-5 steps, as vLLM's request_*_tokens histograms
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# how a finished request (each of its n samples) ended well; "error" is a failure, not counted here
+SUCCESS_REASONS = ("stop", "length", "abort")
 
 
 @dataclass
@@ -58,6 +64,24 @@ class SchedulerStats:
 
 
 @dataclass
+class RequestStats:
+    """Finished requests, one per sample as vLLM counts its n > 1 children: how each ended (stop,
+    length, abort) and its prompt and generated token counts. Samples that ended in an error are
+    not successes and are left out."""
+
+    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SUCCESS_REASONS, 0))
+    prompt_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    generation_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+
+    def observe(self, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        if finish_reason not in self.finished:
+            return
+        self.finished[finish_reason] += 1
+        self.prompt_tokens.observe(num_prompt_tokens)
+        self.generation_tokens.observe(num_generation_tokens)
+
+
+@dataclass
 class StepTimings:
     """Where step time goes: the whole step, the model forward on rank 0, rank 0's execute call, and
     the dispatch (the executor's call minus rank 0's own work: messaging to and from the ranks)."""
@@ -80,60 +104,3 @@ class StepTimings:
     @property
     def overhead_fraction(self) -> float:
         return 1.0 - self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
-
-
-# Prometheus exposition of engine stats. Names follow vLLM's where one exists, under "kvserve:".
-_COUNTERS = {
-    "prefix_cache_queries": ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
-    "prefix_cache_hits": ("prefix_cache_hits_total", "Prompt tokens served from the prefix cache."),
-    "num_preemptions": ("num_preemptions_total", "Requests preempted (recompute)."),
-    "num_prompt_tokens": ("prompt_tokens_total", "Prompt tokens admitted."),
-    "num_generation_tokens": ("generation_tokens_total", "Tokens generated."),
-    "num_worker_restarts": ("worker_restarts_total", "Times the engine rebuilt its ranks after losing one."),
-    "num_failed_steps": ("failed_steps_total", "Engine steps that raised (rolled back, not counting lost ranks)."),
-    "num_failed_requests": ("failed_requests_total", "Requests failed because a step that held them alone raised."),
-}
-_GAUGES = {
-    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens."),
-    "kv_cache_usage": ("kv_cache_usage_perc", "Share of KV blocks held by requests (0-1)."),
-    "kv_cache_waste": ("kv_cache_waste_perc", "Share of the slots in held blocks that hold no token (0-1)."),
-    "kv_cache_usage_peak": ("kv_cache_usage_peak_perc", "Most KV blocks ever held at once, as a share (0-1)."),
-    "kv_waste_at_peak": ("kv_cache_waste_at_peak_perc", "Empty slots in held blocks at that peak (0-1)."),
-    "num_requests_running": ("num_requests_running", "Requests in the running batch."),
-    "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
-}
-_HISTOGRAMS = {
-    "time_to_first_token_seconds": "Time from arrival to the first generated token.",
-    "inter_token_latency_seconds": "Time between consecutive output tokens.",
-    "e2e_request_latency_seconds": "Time from arrival to the last token.",
-    "request_queue_time_seconds": "Time from arrival to the first schedule.",
-}
-
-
-def _labels(labels: dict[str, str], extra: str = "") -> str:
-    text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    return "{" + ",".join(p for p in (text, extra) if p) + "}"
-
-
-def prometheus_text(stats_by_replica: dict[str, dict], model_name: str) -> str:
-    """Prometheus text format (0.0.4) for the stats of every replica, labelled by replica."""
-    lines: list[str] = []
-    series = [(_labels({"model_name": model_name, "replica": r}), s) for r, s in sorted(stats_by_replica.items())]
-    for kind, table in (("counter", _COUNTERS), ("gauge", _GAUGES)):
-        for key, (name, help_text) in table.items():
-            lines += [f"# HELP kvserve:{name} {help_text}", f"# TYPE kvserve:{name} {kind}"]
-            lines += [f"kvserve:{name}{labels} {float(s.get(key, 0))}" for labels, s in series]
-    for name, help_text in _HISTOGRAMS.items():
-        lines += [f"# HELP kvserve:{name} {help_text}", f"# TYPE kvserve:{name} histogram"]
-        for labels, s in series:
-            h = s.get("histograms", {}).get(name)
-            if h is None:
-                continue
-            inner = labels[1:-1]
-            cumulative = 0
-            for bound, count in zip((*h["buckets"], "+Inf"), h["counts"]):
-                cumulative += count
-                le = bound if bound == "+Inf" else repr(float(bound))
-                lines.append(f"kvserve:{name}_bucket{{{inner},le=\"{le}\"}} {cumulative}")
-            lines += [f"kvserve:{name}_sum{labels} {h['sum']}", f"kvserve:{name}_count{labels} {h['count']}"]
-    return "\n".join(lines) + "\n"

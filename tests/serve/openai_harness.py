@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from api.http_app import build_openai_app
+from api.metrics import prometheus_text
 from api.openai_serving import AsyncLLMClient, OpenAIServing
 from engine import LLM, AsyncLLM, SamplingParams, engine_config
-from engine.metrics import prometheus_text
 from engine.tokenizer import Tokenizer
 from tests.e2e.prompts import test_prompts as make_prompts
 

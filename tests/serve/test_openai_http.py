@@ -281,7 +281,7 @@ def test_tokenize_detokenize_and_models(http, model_dir, run):
 
 
 def test_metrics_are_the_engines_exposition_parsed(client, http, llm, run):
-    """/metrics is the Prometheus text the Serve app serves (engine.metrics.prometheus_text over the
+    """/metrics is the Prometheus text the Serve app serves (api.metrics.prometheus_text over the
     engine's stats), read by prometheus_client's parser: one completion moves the counters by its
     exact token counts and the latency histograms by one request."""
     labels = (("model_name", MODEL), ("replica", REPLICA))
