@@ -174,7 +174,7 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    """transformers' ``tojson``: plain ``json.dumps`` (Jinja's own escapes <, >, & and ')."""
+    """transformers' ``tojson``: ``json.dumps`` as it is (Jinja's own filter HTML-escapes <, >, & and ')."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

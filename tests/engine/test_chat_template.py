@@ -422,7 +422,8 @@ def test_template_shapes_write_what_the_model_expects(tmp_path):
 
 def test_tojson_filter_takes_transformers_arguments(tmp_path):
     template = ("{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}|"
-                "{{ messages[0] | tojson(separators=(',', ':'), sort_keys=true) }}|{{ messages[0] | tojson(ensure_ascii=true) }}")
+                "{{ messages[0] | tojson(separators=(',', ':'), sort_keys=true) }}|"
+                "{{ messages[0] | tojson(ensure_ascii=true) }}")
     ours, hf = both(model_dir(tmp_path, template))
     message = {"role": "user", "content": "<a href='x'>é & ü</a>"}
     expected = "|".join([json.dumps(message, ensure_ascii=False), json.dumps(message, ensure_ascii=False, indent=2),
@@ -539,6 +540,16 @@ def test_a_template_that_fails_on_a_conversation_is_a_value_error(tmp_path):
     ours = Tokenizer(model_dir(tmp_path, "{{ messages[0].content + 1 }}{{ bos_token + missing }}"))
     with pytest.raises(ChatTemplateError, match=r"^rendering failed \(TypeError: "):
         ours.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_dict_and_namespace_globals_as_transformers(tmp_path):
+    template = ("{% set d = dict(role='x', n=1) %}{{ d | tojson }}{{ dict.fromkeys(['a', 'b'], 0) | tojson }}"
+                "{% set ns = namespace(count=0) %}{% for m in messages %}{% set ns.count = ns.count + 1 %}"
+                "{% endfor %}{{ ns.count }}")
+    ours, hf = both(model_dir(tmp_path, template))
+    messages = CONVERSATIONS["system_turns"]
+    expected = '{"role": "x", "n": 1}{"a": 0, "b": 0}4'
+    assert ours.apply_chat_template(messages) == hf_render(hf, messages, True) == expected
 
 
 def test_the_sandbox_refuses_unsafe_access(tmp_path):
