@@ -208,6 +208,32 @@ class ChatMessage(OpenAIBaseModel):
         return message
 
 
+_TEMPLATE_OWN_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def _checked_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's ``chat_template_kwargs``: further variables for the chat template (e.g. ``enable_thinking``),
+    never one the request sets through its own fields, every string valid text."""
+    for name in _TEMPLATE_OWN_VARIABLES:
+        if value and name in value:
+            raise PydanticCustomError("reserved_name", "chat_template_kwargs must not set {name}, "
+                                      "which the request sets through its own fields", {"name": name})
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            _checked_text(item)
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return value
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_checked_template_kwargs)]
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions. The conversation is rendered with the model's chat template."""
 
@@ -220,6 +246,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict | None = None
     response_format: dict | None = None
     add_generation_prompt: bool = True  # vLLM extra
+    chat_template_kwargs: TemplateKwargs = None  # vLLM extra: further chat template variables
 
     @field_validator("tools")
     @classmethod
@@ -262,6 +289,7 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:

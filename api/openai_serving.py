@@ -116,7 +116,8 @@ class OpenAIServing:
     @_openai_errors
     async def chat_completions(self, req: ChatCompletionRequest) -> dict | EventStream:
         self._check_model(req.model)
-        prompt = self._chat_prompt([m.for_template() for m in req.messages], req.add_generation_prompt)
+        prompt = self._chat_prompt([m.for_template() for m in req.messages], req.add_generation_prompt,
+                                   req.chat_template_kwargs)
         params = req.to_sampling_params()
         self._check_length(len(prompt), params.max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -143,7 +144,8 @@ class OpenAIServing:
         """vLLM's /tokenize: special tokens are added to a prompt by default, not to messages."""
         self._check_model(req.model)
         if req.messages is not None:
-            text = self._render_chat([m.for_template() for m in req.messages], req.add_generation_prompt)
+            text = self._render_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
+                                     req.chat_template_kwargs)
             tokens = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
@@ -174,14 +176,18 @@ class OpenAIServing:
         texts = [p if isinstance(p, str) else None for p in items]
         return texts, [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                     chat_template_kwargs: dict | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      chat_template_kwargs=chat_template_kwargs)
         except (ValueError, jinja2.TemplateError) as exc:  # the template's raise_exception: a ValueError
             raise OpenAIError.bad_request(f"the chat template refused the messages: {exc}", "messages") from exc
 
-    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        return self.tokenizer.encode(self._render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool,
+                     chat_template_kwargs: dict | None = None) -> list[int]:
+        text = self._render_chat(messages, add_generation_prompt, chat_template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
         limit = self.max_model_len

@@ -254,6 +254,68 @@ def test_chat_logprobs(client, run):
         assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)  # greedy picks the best
 
 
+SWITCHED_TEMPLATE = (  # reads two chat_template_kwargs variables: a thinking switch and a refusal
+    "{% if strict %}{{ raise_exception('Strict mode refuses these messages.') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(llm, model_dir, offline, run, tmp_path):
+    """vLLM's chat_template_kwargs: /tokenize and chat completions render the model's template
+    (here its chat_template.jinja, which wins over tokenizer_config.json) with them; a template's
+    raise_exception and a kwarg naming a request variable are 400s."""
+    import shutil
+
+    import httpx
+    import openai
+
+    from api.http_app import build_openai_app
+    from api.openai_serving import AsyncLLMClient, OpenAIServing
+    from tests.serve.openai_harness import API_KEY
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(f"{model_dir}/{name}", tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(SWITCHED_TEMPLATE)
+    tokenizer = Tokenizer(tmp_path)
+    serving = OpenAIServing(AsyncLLMClient(llm), tokenizer, MODEL, llm.core.config.max_model_len)
+    app = build_openai_app(lambda: serving, api_key=API_KEY)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    no_thinking = tokenizer.encode(tokenizer.apply_chat_template(messages, chat_template_kwargs={
+        "enable_thinking": False}), add_special_tokens=False)
+    plain = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert tokenizer.decode(no_thinking, skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
+    expected = reference(offline, no_thinking, temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     headers=headers) as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key=API_KEY, http_client=http, max_retries=0)
+            tokens = [(await http.post("/tokenize", json={"messages": messages, **extra})).json()["tokens"]
+                      for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}})]
+            chat = await client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=6, temperature=0.0,
+                extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+            refused = await http.post("/v1/chat/completions", json={
+                "messages": messages, "max_tokens": 2, "chat_template_kwargs": {"strict": True}})
+            reserved = await http.post("/v1/chat/completions", json={
+                "messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}})
+            lone = await http.post("/tokenize", content=b'{"messages": [{"role": "user", "content": "x"}], '
+                                   b'"chat_template_kwargs": {"name": ["\\ud800"]}}',
+                                   headers={"Content-Type": "application/json"})
+            return tokens, chat, refused, reserved, lone
+
+    tokens, chat, refused, reserved, lone = run(main())
+    assert tokens == [plain, no_thinking] and plain != no_thinking
+    assert chat.usage.prompt_tokens == len(no_thinking) and chat.choices[0].message.content == expected.text
+    assert assert_error(refused, 400, "messages")["message"] == (
+        "the chat template refused the messages: Strict mode refuses these messages.")
+    assert "chat_template_kwargs must not set add_generation_prompt" in assert_error(
+        reserved, 400, "chat_template_kwargs")["message"]
+    assert_error(lone, 400, "chat_template_kwargs")
+
+
 # --- tokenizer, models ---------------------------------------------------------------------------
 
 
