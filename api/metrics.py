@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                             Metric)
 from prometheus_client.utils import floatToGoString
 
 PREFIX = "kvserve:"
-CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes (the classic text format)
+# what generate_latest writes (the classic text format; newer clients also offer 1.0.0 on request)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LABELS = ("model_name", "replica")
 
 # stats key -> (family name; counters get "_total" when rendered, help)
