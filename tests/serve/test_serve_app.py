@@ -138,8 +138,22 @@ def test_metrics_are_present_and_move(served, client):
     assert after["kvserve:generation_tokens_total"] >= before["kvserve:generation_tokens_total"] + 10
     assert after["kvserve:prefix_cache_hits_total"] > before["kvserve:prefix_cache_hits_total"]
     assert after["kvserve:time_to_first_token_seconds_count"] >= before["kvserve:time_to_first_token_seconds_count"] + 2
-    text = httpx.get(f"{served['url']}/metrics").text
-    assert 'replica="' in text and 'le="+Inf"' in text
+    response = httpx.get(f"{served['url']}/metrics")
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    # prometheus_client's parser reads it; one replica, every sample labelled by model and replica
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    assert families["kvserve:generation_tokens"].type == "counter"
+    assert families["kvserve:time_to_first_token_seconds"].type == "histogram"
+    replicas = {s.labels["replica"] for f in families.values() for s in f.samples}
+    assert len(replicas) == 1 and all(s.labels["model_name"] == MODEL for f in families.values() for s in f.samples)
+    (generated,) = [s.value for s in families["kvserve:generation_tokens"].samples]
+    assert generated >= after["kvserve:generation_tokens_total"]
+    ttft = families["kvserve:time_to_first_token_seconds"].samples
+    (inf_bucket,) = [s.value for s in ttft if s.name.endswith("_bucket") and s.labels["le"] == "+Inf"]
+    (count,) = [s.value for s in ttft if s.name.endswith("_count")]
+    assert inf_bucket == count >= 2
 
 
 def test_disconnect_mid_stream_frees_the_blocks(served):
