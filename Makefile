@@ -22,7 +22,14 @@ $(STAMP): pyproject.toml $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
 	$(BIN)/python -m kernels.cpu
 	touch $(STAMP)
 
+# tests/serve/test_metrics_prometheus.py runs a real Prometheus (the Debian package) against the app
+PROMETHEUS_PKG := $(shell command -v prometheus >/dev/null 2>&1 || echo missing)
+
 test: install
+ifeq ($(PROMETHEUS_PKG),missing)
+	-command -v apt-get >/dev/null && (apt-get install -y -q prometheus >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null))
+endif
 	$(BIN)/python -m pytest -q tests
 
 test-gpu: install

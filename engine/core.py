@@ -356,11 +356,14 @@ class EngineCore:
             "num_worker_restarts": self.num_worker_restarts,
             "num_failed_steps": self.num_failed_steps,
             "num_failed_requests": self.num_failed_requests,
+            "finished_requests": dict(self.outputs.finished.finished),
             "histograms": {
                 "time_to_first_token_seconds": self.outputs.latency.time_to_first_token.as_dict(),
                 "inter_token_latency_seconds": self.outputs.latency.inter_token_latency.as_dict(),
                 "e2e_request_latency_seconds": self.outputs.latency.e2e_latency.as_dict(),
                 "request_queue_time_seconds": s.queue_time.as_dict(),
+                "request_prompt_tokens": self.outputs.finished.prompt_tokens.as_dict(),
+                "request_generation_tokens": self.outputs.finished.generation_tokens.as_dict(),
             },
             **self.executor.kv_cache_info(),
         }

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import CompletionOutput, EngineCoreOutput, RequestMetrics, RequestOutput
-from engine.metrics import Histogram
+from engine.metrics import Histogram, RequestStats
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -58,6 +58,7 @@ class OutputProcessor:
         self._by_sample_id: dict[str, tuple[_RequestState, _Sample]] = {}
         self._failed: dict[str, str] = {}
         self.latency = LatencyMetrics()
+        self.finished = RequestStats()  # by finish reason, with prompt and generated tokens
 
     def add_request(
         self,
@@ -215,6 +216,8 @@ class OutputProcessor:
         if finished:
             state.metrics.finished_time = now
             self.latency.e2e_latency.observe(now - state.metrics.arrival_time)
+            for sample in state.samples:
+                self.finished.observe(sample.finish_reason, len(state.prompt_token_ids), len(sample.token_ids))
             del self.requests[state.request_id]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
                              state.num_cached_tokens, state.metrics)

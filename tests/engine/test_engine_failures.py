@@ -9,7 +9,7 @@ from engine import AsyncLLM, SamplingParams
 from engine.core import EngineCore, EngineDeadError
 from engine.executor import Executor, StepFailedError, WorkerFailedError
 from engine.llm import engine_config
-from engine.metrics import prometheus_text
+from api.metrics import prometheus_text
 from tests.engine.fakes import FakeRunner
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

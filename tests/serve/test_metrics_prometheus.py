@@ -93,6 +93,30 @@ def test_a_histogram_without_its_inf_count_is_refused():
         prometheus_text({"0": {"histograms": {"e2e_request_latency_seconds": broken}}}, MODEL)
 
 
+def test_the_engine_counts_each_sample_by_how_it_ended(model_dirs):
+    """n = 3 samples to max_tokens end with "length" (three successes, 3 x 4 generated tokens); an
+    aborted request counts once per sample as "abort"."""
+    from engine import SamplingParams
+    from tests.engine.test_engine_failures import FakeExecutor, make_core, run as run_core
+
+    core = make_core(model_dirs, FakeExecutor())
+    core.add_request("n3", [5, 6, 7, 8, 9], SamplingParams(n=3, temperature=0.0, max_tokens=4, ignore_eos=True))
+    run_core(core)
+    core.add_request("gone", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    core.step()
+    core.abort_request("gone")
+    stats = core.stats()
+    assert stats["finished_requests"] == {"stop": 0, "length": 3, "abort": 1}
+    generated, prompt = stats["histograms"]["request_generation_tokens"], stats["histograms"]["request_prompt_tokens"]
+    assert generated["count"] == prompt["count"] == 4
+    assert prompt["sum"] == 3 * 5 + 3
+    assert generated["sum"] == 3 * 4 + 1  # the aborted request had its first token
+    families = parse_metrics(prometheus_text({"0": stats}, "m"))
+    labels = (("model_name", "m"), ("replica", "0"))
+    assert sample(families, "kvserve:request_success_total", labels, finished_reason="length") == 3
+    assert sample(families, "kvserve:request_success_total", labels, finished_reason="abort") == 1
+
+
 # --- the engine's exposition after known requests ------------------------------------------------------
 
 
@@ -137,6 +161,17 @@ def test_known_requests_move_each_family_by_its_exact_amount(app, llm, prompts, 
     assert 0 < delta("kvserve:time_to_first_token_seconds_sum") < delta("kvserve:e2e_request_latency_seconds_sum")
     for name in ("num_preemptions_total", "failed_requests_total", "failed_steps_total", "worker_restarts_total"):
         assert delta(f"kvserve:{name}") == 0, name
+    assert delta("kvserve:request_success_total", finished_reason="length") == 3
+    assert delta("kvserve:request_success_total", finished_reason="stop") == 0
+    assert delta("kvserve:request_success_total", finished_reason="abort") == 0
+    assert delta("kvserve:request_prompt_tokens_sum") == 45 + 70 + 45
+    assert delta("kvserve:request_generation_tokens_sum") == 5 + 3 + 4
+    prompt_buckets = {"20.0": 0, "50.0": 2, "100.0": 3, "+Inf": 3}  # 45, 70, 45 tokens
+    generation_buckets = {"2.0": 0, "5.0": 3, "+Inf": 3}  # 5, 3, 4 tokens
+    for le, count in prompt_buckets.items():
+        assert delta("kvserve:request_prompt_tokens_bucket", le=le) == count, le
+    for le, count in generation_buckets.items():
+        assert delta("kvserve:request_generation_tokens_bucket", le=le) == count, le
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert sample(after, f"kvserve:{gauge}") == 0.0, gauge
     stats = llm.stats()
@@ -183,7 +218,8 @@ def test_the_dashboard_is_well_formed():
                    "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
                    "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
                    "prefix_cache_hits_total", "failed_requests_total",
-                   "worker_restarts_total"):
+                   "worker_restarts_total", "request_success_total", "request_generation_tokens_bucket",
+                   "request_prompt_tokens_bucket"):
         assert f"kvserve:{family}" in exprs, family
 
 
@@ -285,3 +321,6 @@ def test_prometheus_scrapes_the_app_and_answers_every_dashboard_query(app, llm, 
     assert len(panel("Time to first token")) == 3 and all(v > 0 for v in panel("Time to first token"))
     assert 0 < panel("Prefix cache hit rate")[0] < 1  # two prompts share 300 tokens
     assert panel("Failures and recoveries") == [0.0] * 4
+    (by_reason,) = [values for (title, _), values in answers.items() if title == "Finished requests by reason"]
+    rates = {labels["finished_reason"]: rate for labels, rate in by_reason}
+    assert rates["length"] > 0 and rates["stop"] == rates["abort"] == 0  # all ran to max_tokens
