@@ -126,12 +126,18 @@ class LLM:
         self,
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations rendered with the model's chat template."""
+        """Generate replies to conversations rendered with the model's chat template (as transformers
+        renders it), with ``tools`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``)
+        passed to the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.core.tokenizer
-        prompts = [{"prompt_token_ids": tokenizer.encode(tokenizer.apply_chat_template(c), add_special_tokens=False)}
-                   for c in conversations]
+        prompts = [{"prompt_token_ids": tokenizer.encode(
+            tokenizer.apply_chat_template(c, tools=tools, chat_template_kwargs=chat_template_kwargs),
+            add_special_tokens=False)} for c in conversations]
         return self.generate(prompts, sampling_params)
 
     @staticmethod

@@ -391,3 +391,25 @@ def test_chat_renders_the_template(llm):
     assert two[1].prompt_token_ids == tokenizer.encode(
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
         add_special_tokens=False)
+
+
+def test_chat_passes_tools_and_template_kwargs(model_dir, tmp_path):
+    """LLM.chat hands ``tools`` and ``chat_template_kwargs`` to the template (one that uses both)."""
+    import shutil
+
+    local = tmp_path / "model"
+    shutil.copytree(model_dir, local)
+    (local / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if tools %}tools: {{ tools | map(attribute='name') | join(',') }}\n{% endif %}"
+        "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}no-think\n{% endif %}")
+    with LLM(model=str(local), num_kv_blocks=64, max_model_len=256) as small:
+        tokenizer = small.get_tokenizer()
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        out = small.chat([{"role": "user", "content": "hi"}], params, tools=[{"name": "add"}, {"name": "mul"}],
+                         chat_template_kwargs={"enable_thinking": False})[0]
+        plain = small.chat([{"role": "user", "content": "hi"}], params)[0]
+    head = "<|im_start|>user\nhi<|im_end|>\n"
+    assert out.prompt_token_ids == tokenizer.encode(head + "tools: add,mul\n<|im_start|>assistant\nno-think\n",
+                                                    add_special_tokens=False)
+    assert plain.prompt_token_ids == tokenizer.encode(head + "<|im_start|>assistant\n", add_special_tokens=False)
