@@ -10,10 +10,10 @@ and create the serving object in its ``__init__``::
         def __init__(self, ...):
             self.serving = OpenAIServing(engine_client, tokenizer, name, max_model_len)
 
-Routes (the Bearer key, when ``api_key`` is set, guards all but /health and /metrics):
+Routes (the Bearer key, when ``api_key`` is set, guards all but /health, /metrics and /version):
 
-    POST /v1/completions   POST /v1/chat/completions   GET /v1/models
-    POST /tokenize         POST /detokenize            GET /health   GET /metrics
+    POST /v1/completions   POST /v1/chat/completions   GET /v1/models   GET /v1/models/{id}
+    POST /tokenize         POST /detokenize            GET /health   GET /metrics   GET /version
 
 Every error has the OpenAI body ``{"error": {message, type, param, code}}``: malformed JSON and invalid
 fields → 400 (naming the field), a bad key → 401, ``OpenAIError`` → its status, anything else → 500.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 from collections.abc import Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
@@ -38,6 +39,10 @@ from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from api.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api.openai_serving import EventStream, OpenAIServing
 
+try:
+    VERSION = importlib.metadata.version("kvserve")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "unknown"
 PROMETHEUS_CONTENT_TYPE = METRICS_CONTENT_TYPE  # prometheus_client's classic text format (0.0.4)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 
@@ -56,9 +61,11 @@ def build_openai_app(get_serving: Callable[[], OpenAIServing], *, api_key: str |
     app.add_api_route("/v1/completions", create_completion, methods=["POST"], dependencies=guarded)
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], dependencies=guarded)
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=guarded)
+    app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"], dependencies=guarded)
     app.add_api_route("/tokenize", tokenize, methods=["POST"], dependencies=guarded)
     app.add_api_route("/detokenize", detokenize, methods=["POST"], dependencies=guarded)
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/version", version, methods=["GET"])
     if metrics_text is not None:
         app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_exception_handler(OpenAIError, openai_error)
@@ -85,6 +92,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 async def list_models(request: Request) -> Response:
     return JSONResponse(await _serving(request).models())
+
+
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    return JSONResponse(await _serving(request).model(model_id))
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:

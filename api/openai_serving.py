@@ -136,8 +136,15 @@ class OpenAIServing:
                                       choices=[merged[i] for i in sorted(merged)]).model_dump(mode="json")
 
     async def models(self) -> dict:
-        card = ModelCard(id=self.served_model_name, root=self.served_model_name, max_model_len=self.max_model_len)
-        return ModelList(data=[card]).model_dump(mode="json")
+        return ModelList(data=[self._model_card()]).model_dump(mode="json")
+
+    async def model(self, model_id: str) -> dict:
+        """/v1/models/{id}: the served model's card; any other id is a 404."""
+        self._check_model(model_id)
+        return self._model_card().model_dump(mode="json")
+
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.served_model_name, root=self.served_model_name, max_model_len=self.max_model_len)
 
     @_openai_errors
     async def tokenize(self, req: TokenizeRequest) -> dict:

@@ -185,6 +185,21 @@ def test_malformed_json_and_too_long_prompts_get_400(http, run):
     assert_error(run(http.post("/v1/chat/completions", json=chat)), 400, "messages")
 
 
+def test_one_model_and_the_version(http, run):
+    """/v1/models/{id} answers the served model's card (the same as in the list), any other id a 404;
+    /version the installed package's version, without a key."""
+    import importlib.metadata
+
+    async def main():
+        return (await http.get("/v1/models"), await http.get(f"/v1/models/{MODEL}"), await http.get("/v1/models/x/y"),
+                await http.get("/version"))
+
+    listed, one, unknown, version = run(main())
+    assert one.status_code == 200 and one.json() == listed.json()["data"][0] and one.json()["id"] == MODEL
+    assert assert_error(unknown, 404, "model")["message"] == "The model `x/y` does not exist."
+    assert version.status_code == 200 and version.json() == {"version": importlib.metadata.version("kvserve")}
+
+
 def test_unknown_model_is_404(client, http, run):
     error = assert_error(run(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})), 404, "model")
     assert error["code"] == "model_not_found"
@@ -199,6 +214,7 @@ def test_api_key_guards_everything_but_health_and_metrics(app, run):
             responses = [await anonymous.post("/v1/completions", json=body),
                          await anonymous.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}),
                          await anonymous.get("/v1/models"), await anonymous.post("/tokenize", json={"prompt": "x"})]
+            responses.append(await anonymous.get("/v1/models/tiny"))
             return responses, await anonymous.get("/health"), await anonymous.get("/metrics")
 
     refused, health, metrics = run(main())
