@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hmac
+import json
 import logging
 import math
 import os
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from fastapi.responses import JSONResponse
 from ray import serve
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
@@ -45,8 +46,9 @@ from ray.serve.handle import DeploymentHandle
 
 from api import grpc_serving
 from api.engine_client import OpenAIError
-from api.http_app import build_openai_app
+from api.http_app import build_openai_app, validation_error
 from api.metrics import prometheus_text
+from api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from api.openai_serving import OpenAIServing
 from cluster.scheduler_actor import launch_scheduler_actor
 from engine import EngineDeadError, EngineOverloadedError, SamplingParams, engine_config
@@ -571,6 +573,56 @@ class Ingress:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         async for delta in self.client.generate(f"handle-{uuid.uuid4().hex}", token_ids, params, cache_salt):
             yield delta
+
+    # --- Python handles with OpenAI request bodies: handle.completions.remote({"prompt": ...}) -------
+
+    async def completions(self, body: dict) -> dict:
+        """An OpenAI completions request body -> the response body the HTTP API would send. Errors
+        raise OpenAIError (``.status``, ``.body()`` as over HTTP); a streamed request goes to
+        ``completions_stream``."""
+        return await self._openai_once(CompletionRequest, self.serving.completions, body)
+
+    async def chat(self, body: dict) -> dict:
+        """An OpenAI chat completions request body -> the response body (see ``completions``)."""
+        return await self._openai_once(ChatCompletionRequest, self.serving.chat_completions, body)
+
+    async def completions_stream(self, body: dict):
+        """The chunks of a streamed completion, as dicts (``handle.options(stream=True)``)."""
+        async for chunk in self._openai_stream(CompletionRequest, self.serving.completions, body):
+            yield chunk
+
+    async def chat_stream(self, body: dict):
+        """The chunks of a streamed chat completion, as dicts (``handle.options(stream=True)``)."""
+        async for chunk in self._openai_stream(ChatCompletionRequest, self.serving.chat_completions, body):
+            yield chunk
+
+    @staticmethod
+    def _openai_request(model, body: dict, stream: bool):
+        if not isinstance(body, dict):
+            raise OpenAIError.bad_request(f"the request body must be a dict, got {type(body).__name__}")
+        given = body.get("stream")
+        if given and not stream:
+            raise OpenAIError.bad_request("a streamed request goes to the *_stream method", "stream")
+        if stream and given is not None and not given:
+            raise OpenAIError.bad_request("stream must be true (or absent) for the *_stream method", "stream")
+        try:
+            return model.model_validate({**body, "stream": stream})
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+
+    async def _openai_once(self, model, endpoint, body: dict) -> dict:
+        return await endpoint(self._openai_request(model, body, stream=False))
+
+    async def _openai_stream(self, model, endpoint, body: dict):
+        events = await endpoint(self._openai_request(model, body, stream=True))
+        try:
+            async for event in events:
+                data = event.removeprefix("data: ").strip()
+                if data == "[DONE]":
+                    break
+                yield json.loads(data)
+        finally:
+            await events.aclose()
 
     # --- gRPC (Serve's gRPC proxy calls these by method name) --------------------------------------
 

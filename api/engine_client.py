@@ -79,6 +79,13 @@ def clean_message(exc: BaseException | str) -> str:
     return text if len(text) <= _MAX_MESSAGE_CHARS else text[:_MAX_MESSAGE_CHARS - 3] + "..."
 
 
+def _rebuild_error(cls: type, args: tuple, state: dict) -> Exception:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class OpenAIError(Exception):
     """An error as the API reports it: HTTP status and the body ``{"error": {message, type, param, code}}``.
     The body's message is ``clean_message``'s: one line, no colour codes or tracebacks, valid UTF-8."""
@@ -88,6 +95,11 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type, param
         self.code = status if code is None else code
+
+    def __reduce__(self):
+        # rebuilt from its state, not through __init__ (subclasses take other arguments), so that it
+        # crosses processes whole: a Serve handle's caller gets the status and body the API would send
+        return _rebuild_error, (type(self), self.args, dict(self.__dict__))
 
     def body(self) -> dict:
         param = None if self.param is None else clean_message(self.param)

@@ -191,6 +191,12 @@ def _field_path(loc: tuple) -> str:
     return path.encode("utf-8", "backslashreplace").decode("utf-8")  # a client's dict key may be any text
 
 
+def validation_error(exc) -> OpenAIError:
+    """A request body's validation errors (FastAPI's RequestValidationError or pydantic's
+    ValidationError) as the 400 the API sends."""
+    return _validation_error(exc)
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     """One sentence for the client: the first error that says more than "wrong type" (a union's
     members each report one), naming its field, and how many other fields are invalid."""

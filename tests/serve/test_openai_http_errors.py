@@ -416,3 +416,15 @@ def test_clients_that_leave_abort_their_engine_requests(app, llm, prompts, run, 
     assert len(chunks) == 5
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "the server logged errors"
     assert streamed_tokens < 4 * 2000 // 2 and waited_tokens < 2000 // 2  # stopped, not run to the end
+
+
+def test_openai_errors_cross_processes_whole():
+    """Pickled (as a Serve handle's caller receives it), an OpenAIError keeps its status and body."""
+    import pickle
+
+    from api.engine_client import OpenAIError
+
+    error = OpenAIError(404, "The model `x` does not exist.", "NotFoundError", "model", "model_not_found")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is OpenAIError and copy.status == 404 and copy.body() == error.body()
+    assert str(copy) == "The model `x` does not exist."

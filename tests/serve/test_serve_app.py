@@ -101,6 +101,33 @@ def test_python_handles(served, offline):
     assert deltas[-1].finished
 
 
+def test_python_handles_take_openai_bodies(served, offline):
+    """handle.completions / chat (and their _stream forms) take OpenAI request bodies and return what
+    the HTTP API would; a bad body raises OpenAIError with the API's status and body."""
+    from api.engine_client import OpenAIError
+
+    handle = served["handle"]
+    body = {"model": MODEL, "prompt": "Salt and pepper", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    completion = handle.completions.remote(body).result()
+    assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 8
+    assert completion["choices"][0]["text"] == greedy_text(offline, "Salt and pepper", 8)
+    chunks = list(handle.options(stream=True).completions_stream.remote(body))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == completion["choices"][0]["text"]
+    chat_body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a spice"}], "max_tokens": 5,
+                 "temperature": 0, "ignore_eos": True}
+    chat = handle.chat.remote(chat_body).result()
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] == 5
+    want = offline.chat(chat_body["messages"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert chat["choices"][0]["message"]["content"] == want[0].outputs[0].text
+    streamed = list(handle.options(stream=True).chat_stream.remote(chat_body))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"]) == \
+        chat["choices"][0]["message"]["content"]
+    for bad, param in (({**body, "top_p": 2.0}, "top_p"), ({**body, "stream": True}, "stream")):
+        with pytest.raises(OpenAIError) as err:
+            handle.completions.remote(bad).result()
+        assert err.value.status == 400 and err.value.body()["error"]["param"] == param
+
+
 def test_grpc_through_serve_proxy(served, offline):
     stub = pb_grpc.KVServeStub(grpc.insecure_channel(served["grpc"]))
     request = pb.GenerateRequest(text="A quiet morning", params=pb.SamplingParameters(
