@@ -33,7 +33,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -76,6 +76,32 @@ def api_key_from_env(name: str) -> str:
     if not key:
         raise ValueError(f"api_key_env={name}: the environment variable {name} is not set (or empty) on this node")
     return key
+
+
+# engine settings that engine_kwargs may carry (the flat AppArgs keys passed to engine_config)
+ENGINE_KWARGS = frozenset({
+    "tensor_parallel_size", "dtype", "device", "block_size", "enable_prefix_caching", "num_kv_blocks",
+    "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    "seed", "placement_strategy", "attention_backend", "cascade_attention", "max_worker_restarts",
+    "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
+    "max_stop_token_ids",
+})
+# Serve deployment options that deployment_config / ingress_deployment_config may set
+DEPLOYMENT_OPTIONS = frozenset({
+    "num_replicas", "autoscaling_config", "max_ongoing_requests", "max_queued_requests",
+    "graceful_shutdown_wait_loop_s", "graceful_shutdown_timeout_s", "health_check_period_s",
+    "health_check_timeout_s",
+})
+
+
+def _with_options(options: dict, overrides: dict) -> dict:
+    """Serve deployment ``options`` with ``overrides`` applied: replicas are fixed or autoscaled, not both."""
+    merged = {**options, **overrides}
+    if "autoscaling_config" in overrides:
+        merged.pop("num_replicas", None)
+    elif "num_replicas" in overrides:
+        merged.pop("autoscaling_config", None)
+    return merged
 
 
 class AppArgs(BaseModel):
@@ -130,9 +156,44 @@ class AppArgs(BaseModel):
     # times a replica rebuilds its scheduler actor in place after it died; beyond, its health check fails
     # and Serve replaces the replica
     max_engine_restarts: int = Field(3, ge=0)
+    # Ray Serve LLM's shapes: engine settings by name (merged into the flat keys above), and options
+    # of the LLMServer and Ingress deployments (over what the app derives)
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    deployment_config: dict[str, Any] = Field(default_factory=dict)
+    ingress_deployment_config: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_kwargs(cls, data: Any) -> Any:
+        """engine_kwargs' settings become the flat keys (a key given both ways must agree)."""
+        if not isinstance(data, dict) or not data.get("engine_kwargs"):
+            return data
+        kwargs = data["engine_kwargs"]
+        if not isinstance(kwargs, dict):
+            raise ValueError("engine_kwargs must be a mapping of engine settings")
+        unknown = sorted(set(kwargs) - ENGINE_KWARGS)
+        if unknown:
+            raise ValueError(f"engine_kwargs: unknown engine setting {unknown[0]!r} "
+                             f"(known: {', '.join(sorted(ENGINE_KWARGS))})")
+        merged = dict(data)
+        for key, value in kwargs.items():
+            if key in data and data[key] != value:
+                raise ValueError(f"{key} is given as {data[key]!r} and in engine_kwargs as {value!r}: give it once")
+            merged[key] = value
+        return merged
+
+    @model_validator(mode="after")
+    def _deployment_options(self) -> AppArgs:
+        for name in ("deployment_config", "ingress_deployment_config"):
+            unknown = sorted(set(getattr(self, name)) - DEPLOYMENT_OPTIONS)
+            if unknown:
+                raise ValueError(f"{name}: unknown option {unknown[0]!r} (known: {', '.join(sorted(DEPLOYMENT_OPTIONS))})")
+        return self
 
     @property
     def autoscaling(self) -> bool:
+        if "autoscaling_config" in self.deployment_config or "num_replicas" in self.deployment_config:
+            return "autoscaling_config" in self.deployment_config
         return self.min_replicas is not None or self.max_replicas is not None
 
     @model_validator(mode="after")
@@ -151,6 +212,13 @@ class AppArgs(BaseModel):
 
     @property
     def replica_range(self) -> tuple[int, int]:
+        """(fewest, most) engine replicas: deployment_config's settings first, then the flat keys."""
+        if "autoscaling_config" in self.deployment_config:
+            auto = self.deployment_config["autoscaling_config"]
+            low = int(auto.get("min_replicas", 1))
+            return low, int(auto.get("max_replicas", max(1, low)))
+        if "num_replicas" in self.deployment_config:
+            return (int(self.deployment_config["num_replicas"]),) * 2
         low = self.min_replicas if self.min_replicas is not None else 1
         return low, self.max_replicas if self.max_replicas is not None else max(1, low)
 
@@ -780,11 +848,13 @@ def build_app(args: AppArgs | dict | None = None):
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0,
         )
+    options = _with_options(options, args.deployment_config)
     llm_server = serve.deployment(LLMServer).options(**options).bind(config, args, use_gpu, plan)
-    ingress = serve.deployment(serve.ingress()(Ingress)).options(
-        name="Ingress", ray_actor_options={"num_cpus": plan.ingress_cpus}, max_ongoing_requests=10_000,
-    )
-    min_engines = args.replica_range[0] if args.autoscaling else (args.num_replicas or 1)
+    ingress = serve.deployment(serve.ingress()(Ingress)).options(**_with_options(
+        {"name": "Ingress", "ray_actor_options": {"num_cpus": plan.ingress_cpus}, "max_ongoing_requests": 10_000},
+        args.ingress_deployment_config))
+    min_engines = args.replica_range[0] if args.autoscaling or "num_replicas" in args.deployment_config \
+        else (args.num_replicas or 1)
     if args.api_key_env is not None:
         api_key_from_env(args.api_key_env)  # set where the app is built too: a missing key stops the build
     return ingress.bind(llm_server, args.model, served_name, config.max_model_len, args.api_key,

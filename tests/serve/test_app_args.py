@@ -113,3 +113,39 @@ def test_api_key_from_an_environment_variable(model_dirs, monkeypatch):
     bound = app._bound_deployment
     assert bound.init_args[4] is None and bound.init_args[-1] == "KVSERVE_TEST_KEY"
     assert "s3cret-key" not in repr(bound.init_args) + repr(bound.init_kwargs)
+
+
+def test_ray_serve_llm_shapes_engine_kwargs_and_deployment_configs(model_dirs, monkeypatch):
+    """engine_kwargs carries engine settings by name (as the flat keys); deployment_config and
+    ingress_deployment_config set the two deployments' Serve options over what the app derives,
+    its replica counts checked against the cluster (here two CPUs) like the flat keys'."""
+    import serve_app
+
+    monkeypatch.setattr(serve_app, "cluster_cpus", lambda: (2.0, 2.0))
+    args = AppArgs.model_validate({"engine_kwargs": {"max_num_seqs": 8, "enable_prefix_caching": False,
+                                                     "block_size": 32}})
+    assert (args.max_num_seqs, args.enable_prefix_caching, args.block_size) == (8, False, 32)
+    assert AppArgs.model_validate({"max_num_seqs": 8, "engine_kwargs": {"max_num_seqs": 8}}).max_num_seqs == 8
+    with pytest.raises(ValidationError, match="max_num_seqs is given as 4 and in engine_kwargs as 8: give it once"):
+        AppArgs.model_validate({"max_num_seqs": 4, "engine_kwargs": {"max_num_seqs": 8}})
+    with pytest.raises(ValidationError, match="engine_kwargs: unknown engine setting 'swap_space'"):
+        AppArgs.model_validate({"engine_kwargs": {"swap_space": 4}})
+    with pytest.raises(ValidationError, match="deployment_config: unknown option 'ray_actor_options'"):
+        AppArgs.model_validate({"deployment_config": {"ray_actor_options": {}}})
+
+    app = build_app({"model": model_dirs["llama"], "engine_kwargs": {"max_num_seqs": 8},
+                     "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2},
+                                           "graceful_shutdown_timeout_s": 45, "max_ongoing_requests": 40},
+                     "ingress_deployment_config": {"num_replicas": 2}})
+    ingress = app._bound_deployment
+    assert ingress.num_replicas == 2 and ingress.max_ongoing_requests == 10_000
+    llm_server = ingress.init_args[0]._bound_deployment
+    config = llm_server._deployment_config
+    assert (config.autoscaling_config.min_replicas, config.autoscaling_config.max_replicas) == (1, 2)
+    assert config.graceful_shutdown_timeout_s == 45 and llm_server.max_ongoing_requests == 40
+    assert llm_server.init_args[0].scheduler.max_num_seqs == 8  # the engine config the replica builds
+    fixed = build_app({"model": model_dirs["llama"], "min_replicas": 1, "max_replicas": 4,
+                       "deployment_config": {"num_replicas": 2}})._bound_deployment.init_args[0]._bound_deployment
+    assert fixed.num_replicas == 2 and fixed._deployment_config.autoscaling_config is None
+    with pytest.raises(ValueError, match="3 replicas need 3 CPUs for their engines but the cluster has 2"):
+        build_app({"model": model_dirs["llama"], "deployment_config": {"autoscaling_config": {"max_replicas": 3}}})
