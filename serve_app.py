@@ -114,6 +114,9 @@ class AppArgs(BaseModel):
     tensor_parallel_size: int = 1
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # the GPU model the engines need (Ray's accelerator_type, e.g. "A10G", "L4", "H100"): implies
+    # device cuda, and the engine bundles ask for a node with that GPU
+    accelerator_type: str | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
@@ -203,6 +206,8 @@ class AppArgs(BaseModel):
         low, high = self.replica_range
         if self.autoscaling and not 0 <= low <= high:
             raise ValueError(f"need 0 <= min_replicas <= max_replicas, got {low} and {high}")
+        if self.accelerator_type is not None and self.device == "cpu":
+            raise ValueError(f"accelerator_type={self.accelerator_type} asks for a GPU but device is cpu: give one")
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("give api_key or api_key_env (the name of a variable holding the key), not both")
         if self.tensor_parallel_size > 1 and self.engine_cpus < 1:
@@ -707,9 +712,13 @@ def _accumulate(total: RequestOutput, delta: RequestOutput) -> RequestOutput:
     return merge_outputs(total, delta, RequestOutputKind.DELTA)
 
 
-def _use_gpu(device: str) -> bool:
-    if device != "auto":
-        return device == "cuda"
+def _use_gpu(device: str, accelerator_type: str | None = None) -> bool:
+    """Whether the engines run on GPUs. ``device=auto`` means CUDA when an accelerator_type is given,
+    when the Ray cluster has GPUs now, or (Ray not started yet) when this machine has one. A cluster
+    whose GPU workers are scaled to zero when the app is built has none now: give device=cuda or an
+    accelerator_type there."""
+    if device != "auto" or accelerator_type is not None:
+        return device == "cuda" or accelerator_type is not None
     if ray.is_initialized():
         return ray.cluster_resources().get("GPU", 0) > 0
     import torch
@@ -787,6 +796,8 @@ def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | 
     elif proxy is None:
         proxy = DEFAULT_PROXY_CPUS
     gpu = {"GPU": 1.0} if use_gpu else {}
+    if use_gpu and args.accelerator_type is not None:  # Ray's node label resource for that GPU model
+        gpu[f"accelerator_type:{args.accelerator_type}"] = 0.001
     engine = [{"CPU": args.engine_cpus, **gpu}] * tp
     if proxy > 0:
         aux = [{"CPU": proxy}] * shared
@@ -816,8 +827,11 @@ def build_app(args: AppArgs | dict | None = None):
         max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences,
         max_stop_token_ids=args.max_stop_token_ids,
     )
-    use_gpu = _use_gpu(args.device)
-    plan = plan_reservations(args, use_gpu, cluster_cpus())
+    use_gpu = _use_gpu(args.device, args.accelerator_type)
+    # GPU engines on a cluster with no GPU node yet (its GPU workers scaled to zero): the autoscaler
+    # adds the nodes they need, so the nodes alive now say nothing about where they will fit
+    gpus_now = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else None
+    plan = plan_reservations(args, use_gpu, None if use_gpu and gpus_now == 0 else cluster_cpus())
     served_name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
     options: dict = {
         "name": "LLMServer",

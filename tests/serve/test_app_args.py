@@ -149,3 +149,17 @@ def test_ray_serve_llm_shapes_engine_kwargs_and_deployment_configs(model_dirs, m
     assert fixed.num_replicas == 2 and fixed._deployment_config.autoscaling_config is None
     with pytest.raises(ValueError, match="3 replicas need 3 CPUs for their engines but the cluster has 2"):
         build_app({"model": model_dirs["llama"], "deployment_config": {"autoscaling_config": {"max_replicas": 3}}})
+
+
+def test_accelerator_type_means_gpu_engines_on_that_gpu_model():
+    """accelerator_type implies GPU engines (whatever the cluster shows when the app is built, e.g. GPU
+    workers scaled to zero) and puts each engine bundle on a node with that GPU model."""
+    from serve_app import _use_gpu
+
+    assert _use_gpu("auto", "A10G") and _use_gpu("cuda", "A10G") and _use_gpu("cuda")
+    assert not _use_gpu("cpu")
+    plan = plan_reservations(AppArgs(accelerator_type="A10G", tensor_parallel_size=2), use_gpu=True, cpus=(8.0, 8.0))
+    gpu_bundle = {"CPU": 1.0, "GPU": 1.0, "accelerator_type:A10G": 0.001}
+    assert plan.bundles == [{"CPU": 0.5}, {"CPU": 0.5}, gpu_bundle, gpu_bundle]
+    with pytest.raises(ValidationError, match="accelerator_type=L4 asks for a GPU but device is cpu: give one"):
+        AppArgs(device="cpu", accelerator_type="L4")
