@@ -3,6 +3,8 @@ proxy, /metrics moving, the queue bound, and a client that disconnects mid-strea
 
 from __future__ import annotations
 
+import asyncio
+
 import threading
 import time
 
@@ -126,6 +128,29 @@ def test_python_handles_take_openai_bodies(served, offline):
         with pytest.raises(OpenAIError) as err:
             handle.completions.remote(bad).result()
         assert err.value.status == 400 and err.value.body()["error"]["param"] == param
+
+
+def test_malformed_requests_through_serve_get_4xx_and_spare_good_ones(served, offline):
+    """The fuzz driver's malformed requests through Serve's proxy and the Ingress (the in-process app
+    takes the large runs: tests/serve/test_fuzz_http.py): each a 4xx with an OpenAI error body, none a
+    5xx or a hang, while good greedy completions beside them return the offline engine's text."""
+    import random
+
+    from benchmarks.fuzz import GOOD_BODY, fuzz, malformed_case
+
+    rng = random.Random(11)
+    cases = [malformed_case(rng) for _ in range(120)]
+    expected = greedy_text(offline, GOOD_BODY["prompt"], GOOD_BODY["max_tokens"])
+
+    async def main():
+        async with httpx.AsyncClient(base_url=served["url"], headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=30) as http:
+            return await fuzz(http, cases, expected, concurrency=8, timeout_s=20.0, good_streams=2)
+
+    report = asyncio.run(main())
+    assert report.tried == 120 and report.error_body_4xx == 120, report.summary()
+    assert (report.server_errors, report.hangs, report.accepted, report.collateral) == (0, 0, 0, 0), report.summary()
+    assert report.good >= 2
 
 
 def test_grpc_through_serve_proxy(served, offline):
