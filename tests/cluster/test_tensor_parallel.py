@@ -21,25 +21,35 @@ def generate(llm, prompts, params=GREEDY):
 
 
 @pytest.fixture(scope="module")
-def tp1_tokens(model_dirs):
+def tp1_tokens(tp1_runs):
     """Greedy tokens at TP=1, per arch, for the standard prompts."""
+    return {arch: tokens for arch, (tokens, _) in tp1_runs.items()}
+
+
+@pytest.fixture(scope="module")
+def tp1_runs(model_dirs):
+    """(greedy tokens, engine stats) at TP=1, per arch, for the standard prompts."""
     result = {}
     for arch in ARCHS:
         with LLM(model=model_dirs[arch]) as llm:
-            result[arch] = generate(llm, make_prompts(model_dirs[arch]))
+            result[arch] = generate(llm, make_prompts(model_dirs[arch])), llm.stats()
     return result
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tp2_matches_hf_and_tp1(arch, ray_cluster, model_dirs, hf_oracle, tp1_tokens):
+def test_tp2_matches_hf_and_tp1(arch, ray_cluster, model_dirs, hf_oracle, tp1_runs):
     prompts = make_prompts(model_dirs[arch])
     with LLM(model=model_dirs[arch], tensor_parallel_size=2) as llm:
         tokens = generate(llm, prompts)
         stats = llm.stats()
-    assert tokens == tp1_tokens[arch]
+    tp1_tokens, tp1 = tp1_runs[arch]
+    assert tokens == tp1_tokens
     for prompt, out in zip(prompts, tokens):
         hf_oracle(arch).assert_greedy(prompt, out)
     assert stats["num_blocks_in_use"] == 0 and stats["prefix_cache_hits"] > 0
+    # the scheduler is the same at any TP: the same prefix-cache queries and hits as at TP=1
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (tp1["prefix_cache_queries"],
+                                                                        tp1["prefix_cache_hits"])
 
 
 def test_tp4_replicates_kv_heads(ray_cluster, model_dirs, hf_oracle, tp1_tokens):
