@@ -70,6 +70,18 @@ NO_ENGINE = "no engine replica is serving yet (starting, restarting or waiting f
 logger = logging.getLogger("ray.serve")
 
 
+def api_key_from_file(path: str) -> str:
+    """The API key held by the file ``path`` (``api_key_file``, e.g. a mounted Kubernetes Secret),
+    without surrounding whitespace."""
+    try:
+        key = open(path, encoding="utf-8").read().strip()
+    except OSError as exc:
+        raise ValueError(f"api_key_file={path}: the file cannot be read on this node ({exc.strerror})") from None
+    if not key:
+        raise ValueError(f"api_key_file={path}: the file is empty")
+    return key
+
+
 def api_key_from_env(name: str) -> str:
     """The API key held by the environment variable ``name`` (``api_key_env``)."""
     key = os.environ.get(name, "")
@@ -148,6 +160,7 @@ class AppArgs(BaseModel):
     # the name of an environment variable that holds the API key on the Ingress's node: the key itself
     # never enters Serve's stored config or its logs
     api_key_env: str | None = None
+    api_key_file: str | None = None  # or a file holding it on the Ingress's node (a mounted Secret)
     max_waiting_requests: int = 512
     stream_interval: int = Field(1, ge=1)  # streamed tokens per chunk (fewer, larger SSE chunks when > 1)
     # logical CPUs of the engine bundle (tp = 1) or of each rank bundle (at least 1: a rank actor takes one)
@@ -208,8 +221,9 @@ class AppArgs(BaseModel):
             raise ValueError(f"need 0 <= min_replicas <= max_replicas, got {low} and {high}")
         if self.accelerator_type is not None and self.device == "cpu":
             raise ValueError(f"accelerator_type={self.accelerator_type} asks for a GPU but device is cpu: give one")
-        if self.api_key is not None and self.api_key_env is not None:
-            raise ValueError("give api_key or api_key_env (the name of a variable holding the key), not both")
+        given = [name for name in ("api_key", "api_key_env", "api_key_file") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of api_key, api_key_env and api_key_file, not {' and '.join(given)}")
         if self.tensor_parallel_size > 1 and self.engine_cpus < 1:
             raise ValueError(f"engine_cpus={self.engine_cpus:g} is less than the one CPU each tensor-parallel rank "
                              f"actor takes: give engine_cpus >= 1 at tensor_parallel_size > 1")
@@ -596,14 +610,15 @@ class Ingress:
 
     def __init__(self, llm_server: DeploymentHandle, model_dir: str, served_model_name: str,
                  max_model_len: int, api_key: str | None, stream_interval: int = 1, min_engines: int = 1,
-                 api_key_env: str | None = None) -> None:
+                 api_key_env: str | None = None, api_key_file: str | None = None) -> None:
         self.tokenizer = Tokenizer(model_dir)
         self.app_name = serve.get_replica_context().app_name
         self.engines = EngineWatch(self.app_name, min_engines)
         self.client = ServeEngineClient(llm_server, self.engines)
         self.serving = OpenAIServing(self.client, self.tokenizer, served_model_name, max_model_len, stream_interval)
         self.served_model_name = served_model_name
-        self.api_key = api_key if api_key_env is None else api_key_from_env(api_key_env)
+        self.api_key = api_key_from_env(api_key_env) if api_key_env is not None else \
+            api_key_from_file(api_key_file) if api_key_file is not None else api_key
 
     def __serve_build_asgi_app__(self):
         app = build_openai_app(lambda: self.serving, api_key=self.api_key, metrics_text=self.metrics_text)
@@ -871,8 +886,10 @@ def build_app(args: AppArgs | dict | None = None):
         else (args.num_replicas or 1)
     if args.api_key_env is not None:
         api_key_from_env(args.api_key_env)  # set where the app is built too: a missing key stops the build
+    if args.api_key_file is not None:
+        api_key_from_file(args.api_key_file)
     return ingress.bind(llm_server, args.model, served_name, config.max_model_len, args.api_key,
-                        args.stream_interval, min_engines, args.api_key_env)
+                        args.stream_interval, min_engines, args.api_key_env, args.api_key_file)
 
 
 app = build_app

@@ -102,7 +102,8 @@ def test_build_sizes_for_the_local_cluster_serve_run_will_start(model_dirs, monk
 def test_api_key_from_an_environment_variable(model_dirs, monkeypatch):
     """api_key_env names a variable: the Ingress reads the key from its node's environment, so Serve's
     stored config holds the variable's name only; a variable unset where the app is built stops the build."""
-    with pytest.raises(ValidationError, match="api_key or api_key_env"):
+    with pytest.raises(ValidationError, match="give one of api_key, api_key_env and api_key_file, not api_key and "
+                                              "api_key_env"):
         AppArgs(api_key="k", api_key_env="KVSERVE_API_KEY")
     monkeypatch.delenv("KVSERVE_TEST_KEY", raising=False)
     with pytest.raises(ValueError, match="^api_key_env=KVSERVE_TEST_KEY: the environment variable KVSERVE_TEST_KEY "
@@ -111,7 +112,24 @@ def test_api_key_from_an_environment_variable(model_dirs, monkeypatch):
     monkeypatch.setenv("KVSERVE_TEST_KEY", "s3cret-key")
     app = build_app({"model": model_dirs["llama"], "api_key_env": "KVSERVE_TEST_KEY"})
     bound = app._bound_deployment
-    assert bound.init_args[4] is None and bound.init_args[-1] == "KVSERVE_TEST_KEY"
+    assert bound.init_args[4] is None and bound.init_args[-2:] == ("KVSERVE_TEST_KEY", None)
+    assert "s3cret-key" not in repr(bound.init_args) + repr(bound.init_kwargs)
+
+
+def test_api_key_from_a_file(model_dirs, tmp_path):
+    """api_key_file names a file (a mounted Secret) the Ingress reads the key from; a file missing or
+    empty where the app is built stops the build."""
+    from serve_app import api_key_from_file
+
+    with pytest.raises(ValueError, match=f"^api_key_file={tmp_path}/none: the file cannot be read on this node "):
+        build_app({"model": model_dirs["llama"], "api_key_file": str(tmp_path / "none")})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match=f"^api_key_file={tmp_path}/empty: the file is empty$"):
+        build_app({"model": model_dirs["llama"], "api_key_file": str(tmp_path / "empty")})
+    (tmp_path / "key").write_text("s3cret-key\n")
+    assert api_key_from_file(str(tmp_path / "key")) == "s3cret-key"
+    bound = build_app({"model": model_dirs["llama"], "api_key_file": str(tmp_path / "key")})._bound_deployment
+    assert bound.init_args[4] is None and bound.init_args[-1] == str(tmp_path / "key")
     assert "s3cret-key" not in repr(bound.init_args) + repr(bound.init_kwargs)
 
 
