@@ -866,7 +866,8 @@ def build_app(args: AppArgs | dict | None = None):
             "min_replicas": low, "max_replicas": high,
             "target_ongoing_requests": args.target_ongoing_requests,
             "upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s,
-            "look_back_period_s": 5.0,
+            # the window the autoscaler averages load over; Serve wants it above its metrics interval (10 s)
+            "look_back_period_s": 12.0,
         }
     else:
         options["num_replicas"] = args.num_replicas or 1
