@@ -2,7 +2,11 @@
 kernels are not available. Decode gathers each sequence's blocks into contiguous K/V and runs one
 batched SDPA with grouped-query heads folded into the query axis; a prefill chunk without a prefix
 attends to its own K/V, one after a cached prefix reads its context from the pool with a shifted
-causal mask. Shared-prefix groups are ignored (the result is the same)."""
+causal mask. Shared-prefix groups are ignored (the result is the same).
+
+The decode gather is the one transient that grows with the batch and its contexts: decodes are
+attended in slices whose gathered K/V stay within ``DECODE_GATHER_BYTES`` (each slice gathering up
+to its own longest context), so a long-context decode batch cannot take more memory than that."""
 
 from __future__ import annotations
 
@@ -10,6 +14,26 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import PagedAttentionMetadata
+
+
+DECODE_GATHER_BYTES = 256 * 2**20  # the most K + V one decode slice gathers out of the pool
+
+
+def decode_slices(context_lens: list[int], bytes_per_token: int, budget: int = 0) -> list[tuple[int, int, int]]:
+    """(start, end, longest context) of consecutive decodes whose gathered K/V (slice size x its
+    longest context x ``bytes_per_token``) stay within ``budget`` (default ``DECODE_GATHER_BYTES``);
+    a decode whose context alone exceeds it is a slice of its own."""
+    budget = budget or DECODE_GATHER_BYTES
+    slices: list[tuple[int, int, int]] = []
+    start, longest = 0, 0
+    for i, n in enumerate(context_lens):
+        if i > start and (i + 1 - start) * max(longest, n) * bytes_per_token > budget:
+            slices.append((start, i, longest))
+            start, longest = i, 0
+        longest = max(longest, n)
+    if context_lens:
+        slices.append((start, len(context_lens), longest))
+    return slices
 
 
 def store_kv(
@@ -99,17 +123,18 @@ class TorchAttentionBackend:
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
         store_kv(key, value, k_pool, v_pool, meta.slot_mapping)
         nd, num_seqs = meta.num_decodes, meta.num_seqs
-        decode_out = None
-        if nd:
-            decode_out = paged_decode_attention(
-                query[:nd], k_pool, v_pool, meta.block_tables[:nd], meta.seq_lens[:nd],
-                max(meta.context_lens[:nd]), scale,
-            )
-            if nd == num_seqs:
-                return decode_out
         out = torch.empty_like(query)
-        if decode_out is not None:
-            out[:nd] = decode_out
+        if nd:
+            block_size, kv_heads, head_dim = k_pool.shape[1:]
+            per_token = 2 * kv_heads * head_dim * k_pool.element_size()
+            blocks = [-(-n // block_size) * block_size for n in meta.context_lens[:nd]]
+            for start, end, longest in decode_slices(blocks, per_token):
+                out[start:end] = paged_decode_attention(
+                    query[start:end], k_pool, v_pool, meta.block_tables[start:end], meta.seq_lens[start:end],
+                    longest, scale,
+                )
+            if nd == num_seqs:
+                return out
         out[nd:] = paged_prefill_attention(
             query[nd:], key[nd:], value[nd:], k_pool, v_pool, meta.query_lens[nd:], meta.context_lens[nd:],
             meta.block_tables[nd:], scale,

@@ -115,3 +115,40 @@ def test_same_step_prefix_share_reads_fresh_kv(backend_name):
     out = paged_attention(q, torch.cat([prefix_k, tail_k]), torch.cat([prefix_v, tail_v]), k_pool, v_pool, meta, d**-0.5)
     ref_b = naive_causal_attention(q[16:], torch.cat([prefix_k, tail_k]), torch.cat([prefix_v, tail_v]), d**-0.5)
     torch.testing.assert_close(out[16:], ref_b, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_slices_keep_each_gather_within_the_budget():
+    from kernels.torch_attention import decode_slices
+
+    # 10 bytes per token, budget 100: [4, 4] (2 x 4 x 10 = 80), then 8 alone would need 3 x 8 x 10
+    assert decode_slices([4, 4, 8, 2, 1], 10, 100) == [(0, 2, 4), (2, 3, 8), (3, 5, 2)]
+    assert decode_slices([50, 3], 10, 100) == [(0, 1, 50), (1, 2, 3)]  # over budget alone: its own slice
+    assert decode_slices([1] * 6, 10, 1000) == [(0, 6, 1)]
+    assert decode_slices([], 10, 100) == []
+
+
+def test_the_torch_decode_gather_stays_within_its_budget(monkeypatch):
+    """With a budget of two of the longest contexts, the decodes run in two slices (each gathering up
+    to its own longest context): the same outputs as one batch, no gathered K or V over half the budget."""
+    import kernels.torch_attention as ta
+
+    specs = [(5, 1), (0, 1), (40, 1), (16, 1), (100, 1), (7, 1), (0, 9)]  # contexts 8, 8, 48, 24, 104, 8 in slots
+    q, k, v, k_pool, v_pool, meta, full_k, full_v = _build_step(specs, 4, 2, 16, 8, torch.float32)
+    scale = 1 / math.sqrt(16)
+    gathered = []
+    real_gather = ta._gather
+
+    def recording_gather(pool, block_ids):
+        out = real_gather(pool, block_ids)
+        gathered.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(ta, "_gather", recording_gather)
+    whole = paged_attention(q, k, v, k_pool, v_pool, meta, scale)
+    per_token = 2 * 16 * 4  # one of K or V: 2 KV heads of 16 floats
+    assert gathered == [6 * 104 * per_token] * 2  # the default budget: one slice, K and V
+    gathered.clear()
+    monkeypatch.setattr(ta, "DECODE_GATHER_BYTES", 2 * 104 * 2 * per_token)
+    sliced = paged_attention(q, k, v, k_pool, v_pool, meta, scale)
+    torch.testing.assert_close(sliced, whole, atol=0, rtol=0)
+    assert gathered == [4 * 48 * per_token] * 2 + [2 * 104 * per_token] * 2
