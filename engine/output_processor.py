@@ -140,25 +140,15 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request from outside; returns its final output (finish reason "abort")."""
-        state = self.requests.get(request_id)
-        if state is None:
-            return None
-        for sample in state.samples:
-            if sample.finish_reason is None:
-                sample.finish_reason = "abort"
-        self._by_sample_id = {k: v for k, v in self._by_sample_id.items() if v[0] is not state}
-        return self._make_output(state, time.time())
+        state = self._end(request_id, "abort")
+        return None if state is None else self._make_output(state, time.time())
 
     def fail(self, request_id: str, error: str) -> RequestOutput | None:
         """End a request the engine could not run; its final output carries ``error`` and its
         unfinished samples finish with reason "error"."""
-        state = self.requests.get(request_id)
+        state = self._end(request_id, "error")
         if state is None:
             return None
-        for sample in state.samples:
-            if sample.finish_reason is None:
-                sample.finish_reason = "error"
-        self._by_sample_id = {k: v for k, v in self._by_sample_id.items() if v[0] is not state}
         try:
             output = self._make_output(state, time.time())
         except Exception:  # noqa: BLE001 - its text cannot be made: the tokens alone
@@ -168,6 +158,18 @@ class OutputProcessor:
                                     for x in state.samples], True, state.num_cached_tokens, state.metrics)
         output.error = error
         return output
+
+    def _end(self, request_id: str, reason: str) -> _RequestState | None:
+        """Finish a request's unfinished samples with ``reason`` and forget its sample ids; its state,
+        or None if it is unknown."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for sample in state.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = reason
+        self._by_sample_id = {k: v for k, v in self._by_sample_id.items() if v[0] is not state}
+        return state
 
     def request_id_of(self, sample_id: str) -> str | None:
         entry = self._by_sample_id.get(sample_id)
