@@ -54,35 +54,27 @@ def main(argv: list[str] | None = None) -> int:
     generate = commands.add_parser("generate", help="generate text with the offline engine")
     _add_generate_arguments(generate)
     generate.set_defaults(run=_run_generate)
-    bench = commands.add_parser("bench", help="HF, kvserve and vLLM, each in a fresh process, on the same workloads; "
-                                "the Serve app online")
-    add_bench_arguments(bench)
-    bench.set_defaults(run=run_bench)
-    bench_online_vllm = commands.add_parser("bench-online-vllm", help="kvserve's Serve app and vLLM's OpenAI server "
-                                            "under vLLM's own serving benchmark client")
-    add_bench_online_vllm_arguments(bench_online_vllm)
-    bench_online_vllm.set_defaults(run=run_bench_online_vllm)
-    bench_tp = commands.add_parser("bench-tp", help="TP=1 in-process against TP=N on Ray worker actors")
-    add_bench_tp_arguments(bench_tp)
-    bench_tp.set_defaults(run=run_bench_tp)
-    bench_serve = commands.add_parser("bench-serve", help="the Serve app over HTTP against the offline engine")
-    add_bench_serve_arguments(bench_serve)
-    bench_serve.set_defaults(run=run_bench_serve)
-    profile = commands.add_parser("profile-step", help="where the time of a decode step goes, N sequences running")
-    add_profile_step_arguments(profile)
-    profile.set_defaults(run=run_profile_step)
-    chaos = commands.add_parser("chaos", help="the Serve app under load while its scheduler actor, a rank and its "
-                                "replica are killed: requests lost and seconds to serve again")
-    add_chaos_arguments(chaos)
-    chaos.set_defaults(run=run_chaos_command)
-    soak = commands.add_parser("soak", help="the Serve app under a steady load for N minutes: RSS growth of every "
-                               "process, errors, KV blocks in use at the end")
-    add_soak_arguments(soak)
-    soak.set_defaults(run=run_soak_command)
-    fuzz = commands.add_parser("fuzz", help="malformed OpenAI requests beside good ones against the in-process app: "
-                               "shares answered 4xx, 5xx, hung, and good requests failed")
-    add_fuzz_arguments(fuzz)
-    fuzz.set_defaults(run=run_fuzz)
+    benchmarks = (  # (name, help, add its arguments, run it)
+        ("bench", "HF, kvserve and vLLM, each in a fresh process, on the same workloads; the Serve app online",
+         add_bench_arguments, run_bench),
+        ("bench-online-vllm", "kvserve's Serve app and vLLM's OpenAI server under vLLM's own serving benchmark "
+         "client", add_bench_online_vllm_arguments, run_bench_online_vllm),
+        ("bench-tp", "TP=1 in-process against TP=N on Ray worker actors", add_bench_tp_arguments, run_bench_tp),
+        ("bench-serve", "the Serve app over HTTP against the offline engine", add_bench_serve_arguments,
+         run_bench_serve),
+        ("profile-step", "where the time of a decode step goes, N sequences running", add_profile_step_arguments,
+         run_profile_step),
+        ("chaos", "the Serve app under load while its scheduler actor, a rank and its replica are killed: requests "
+         "lost and seconds to serve again", add_chaos_arguments, run_chaos_command),
+        ("soak", "the Serve app under a steady load for N minutes: RSS growth of every process, errors, KV blocks "
+         "in use at the end", add_soak_arguments, run_soak_command),
+        ("fuzz", "malformed OpenAI requests beside good ones against the in-process app: shares answered 4xx, 5xx, "
+         "hung, and good requests failed", add_fuzz_arguments, run_fuzz),
+    )
+    for name, help_text, add_arguments, run in benchmarks:
+        command = commands.add_parser(name, help=help_text)
+        add_arguments(command)
+        command.set_defaults(run=run)
     args = parser.parse_args(argv)
     return args.run(args)
 
