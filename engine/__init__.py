@@ -6,7 +6,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.core import EngineCore, EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.llm import LLM, engine_config
 from engine.messages import CompletionOutput, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -23,6 +23,7 @@ __all__ = [
     "RequestFailedError",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "SchedulerConfig",
     "engine_config",
 ]

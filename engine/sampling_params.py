@@ -31,6 +31,53 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate: exactly one of the fields is set.
+
+    ``json``: a JSON schema (a dict, or its text); ``json_object``: any JSON object; ``regex``: a
+    regular expression the whole output matches; ``choice``: the output is one of these strings;
+    ``grammar``: an EBNF grammar (GBNF dialect, rule ``root``). A constrained request finishes with
+    ``stop`` when its constraint admits no further token. The engine compiles the constraint off the
+    step loop; a constraint that does not compile fails its request alone with a ValueError.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured output choice must be a list of strings")
+            if not self.choice:
+                raise ValueError("structured output choice must hold at least one string")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured output json must be a JSON schema (an object or its text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured output {name} must be a string, got {type(value).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured output json_object must be true or false")
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice and "
+                             f"grammar, got {', '.join(given) or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+
 class RequestOutputKind(Enum):
     CUMULATIVE = "cumulative"  # every output carries everything generated so far
     DELTA = "delta"  # every output carries only what is new since the last one (streaming)
@@ -64,6 +111,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -118,6 +166,8 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         check(all(0 <= t <= INT32_MAX for t in self.stop_token_ids),
               f"stop_token_ids must hold token ids in [0, {INT32_MAX}]")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:
