@@ -1,0 +1,287 @@
+"""A live map of the KV block pool: what the dashboard (``/dashboard``) draws for each engine.
+
+Every usable block (ids 1 .. num_blocks - 1; block 0 is the null block) is in one state, read from
+the pool's reference counts and hashes:
+
+    f  free      no holder, no cached contents
+    c  cached    no holder, still in the prefix cache: a later prompt can hit it (evicted first in
+                 the free queue's order)
+    u  used      held by one request
+    s  shared    held by several requests (prefix hits, n > 1 samples)
+
+The states travel run-length encoded (``rle_encode``: the state letter, then the run's length when
+it is more than one): a pool of 32768 blocks is a few hundred bytes when it is calm, and no more
+than a few KB compressed when churn has fragmented it.
+
+``KVMonitor`` takes snapshots under the engine's lock (the way ``stats()`` and the router's hash
+report read the pool: never while a step changes it) and keeps a ring of samples taken about once a
+second (KV usage, prefix-cache hit rate over the last ``window_s``, running and waiting requests),
+so a viewer that arrives sees the last minutes. The most shared prefixes come from the requests'
+block tables: sharing always starts at a table's first block (a hit or a fork shares a prefix), so
+each table is walked only while its blocks have more than one holder.
+
+The second tier in host memory, where the engine has one (``scheduler.kv.host_tier``), is reported
+as its capacity and the blocks it holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from contextlib import nullcontext
+
+logger = logging.getLogger(__name__)
+
+FREE, CACHED, USED, SHARED = "f", "c", "u", "s"
+STATES = {FREE: "free", CACHED: "cached", USED: "used", SHARED: "shared"}  # code -> name in "counts"
+SAMPLE_PERIOD_S = 1.0
+HISTORY_SAMPLES = 300  # five minutes at one sample a second
+HIT_RATE_WINDOW_S = 10.0
+MAX_SHARED_PREFIXES = 10
+SNAPSHOT_REUSE_S = 0.5  # viewers asking within this share one walk of the pool
+
+_STATES_TEXT = re.compile(r"[fcus]*")
+_RUN = re.compile(r"f+|c+|u+|s+")
+_ENCODED_RUN = re.compile(r"([fcus])([1-9][0-9]*)?")
+
+
+def block_states(blocks: list) -> str:
+    """One state letter per block of ``blocks`` (the pool's blocks without the null block)."""
+    return "".join(["s" if b.ref_cnt > 1 else "u" if b.ref_cnt else "f" if b.block_hash is None else "c"
+                    for b in blocks])
+
+
+def rle_encode(states: str) -> str:
+    """``"ffffcuss"`` -> ``"f4cus2"``: each run as its letter, then its length when above one."""
+    if not _STATES_TEXT.fullmatch(states):
+        raise ValueError("block states must be letters among f, c, u, s")
+    runs = []
+    for match in _RUN.finditer(states):
+        n = match.end() - match.start()
+        runs.append(match.group()[0] if n == 1 else f"{match.group()[0]}{n}")
+    return "".join(runs)
+
+
+def rle_decode(encoded: str) -> str:
+    """The inverse of ``rle_encode``; ValueError for text it cannot have written."""
+    out, pos = [], 0
+    for match in _ENCODED_RUN.finditer(encoded):
+        if match.start() != pos:
+            break
+        out.append(match.group(1) * int(match.group(2) or 1))
+        pos = match.end()
+    if pos != len(encoded):
+        raise ValueError(f"not a run-length encoded block map at character {pos}: {encoded[pos:pos + 10]!r}")
+    return "".join(out)
+
+
+def shared_chains(tables: Iterable[list]) -> list[list[tuple[int, bytes | None]]]:
+    """(block id, hash) of the leading blocks of each table that more than one request holds."""
+    chains = []
+    for table in tables:
+        n = 0
+        for block in table:
+            if block.ref_cnt < 2:
+                break
+            n += 1
+        if n:
+            chains.append([(b.block_id, b.block_hash) for b in table[:n]])
+    return chains
+
+
+class _Node:
+    __slots__ = ("children", "count", "depth", "block_hash")
+
+    def __init__(self, depth: int, block_hash: bytes | None) -> None:
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+        self.depth = depth
+        self.block_hash = block_hash
+
+
+def most_shared_prefixes(chains: list[list[tuple[int, bytes | None]]], block_size: int,
+                         limit: int = MAX_SHARED_PREFIXES) -> list[dict]:
+    """The prefixes that several requests hold, longest for each number of holders: a trie over the
+    chains of block ids, reporting a node held by two or more requests where no longer chain is held
+    by as many. Most blocks saved first ((requests - 1) x blocks), then longest.
+
+    Each entry: ``blocks``, ``tokens`` (blocks x block_size), ``requests``, ``hash`` (the first 8 hex
+    digits of the last block's chained hash, which names the whole prefix; null if not cached)."""
+    root = _Node(0, None)
+    for chain in chains:
+        node = root
+        for block_id, block_hash in chain:
+            child = node.children.get(block_id)
+            if child is None:
+                child = node.children[block_id] = _Node(node.depth + 1, block_hash)
+            child.count += 1
+            node = child
+    found = []
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.count >= 2 and all(c.count < node.count for c in node.children.values()):
+            found.append({"blocks": node.depth, "tokens": node.depth * block_size, "requests": node.count,
+                          "hash": node.block_hash[:4].hex() if node.block_hash is not None else None})
+    found.sort(key=lambda p: (-(p["requests"] - 1) * p["blocks"], -p["blocks"], -p["requests"], p["hash"] or ""))
+    return found[:limit]
+
+
+def host_tier_of(scheduler):
+    """The engine's host-memory KV tier, where it has one."""
+    kv = getattr(scheduler, "kv", None)
+    return getattr(kv, "host_tier", None) or getattr(scheduler, "host_tier", None)
+
+
+def host_tier_usage(tier) -> dict | None:
+    """{"num_blocks": capacity, "num_used": resident blocks} of a host tier, or None without one.
+    Read by name: capacity ``num_slots`` (or ``num_blocks``), use ``num_resident`` (or
+    ``num_used_blocks``, or ``len()``)."""
+    if tier is None:
+        return None
+    capacity = next((getattr(tier, n) for n in ("num_slots", "num_blocks") if hasattr(tier, n)), None)
+    used = next((getattr(tier, n) for n in ("num_resident", "num_used_blocks") if hasattr(tier, n)), None)
+    if used is None and hasattr(tier, "__len__"):
+        used = len(tier)
+    if capacity is None or used is None:
+        return None
+    return {"num_blocks": int(capacity), "num_used": int(used)}
+
+
+class KVHistory:
+    """A ring of samples (time, KV usage, windowed hit rate, running, waiting), oldest first."""
+
+    def __init__(self, capacity: int = HISTORY_SAMPLES, window_s: float = HIT_RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple] = deque(maxlen=capacity)  # (t, usage, hit rate or None, running, waiting)
+        self._counters: deque[tuple[float, int, int]] = deque()  # (t, queries, hits) within the window
+
+    def record(self, t: float, usage: float, queries: int, hits: int, running: int, waiting: int) -> None:
+        """One sample. The hit rate is that of the prompt tokens looked up in the last ``window_s``
+        (None when none were), from the cumulative ``queries`` and ``hits``."""
+        counters = self._counters
+        while len(counters) > 1 and counters[1][0] <= t - self.window_s:
+            counters.popleft()  # the base is the latest sample at least window_s old (else the oldest)
+        base = counters[0] if counters else (t, queries, hits)
+        counters.append((t, queries, hits))
+        d_queries, d_hits = queries - base[1], hits - base[2]
+        rate = d_hits / d_queries if d_queries > 0 else None
+        self._samples.append((t, usage, rate, running, waiting))
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def columns(self, since: float | None = None) -> dict:
+        """The samples taken after ``since`` (all without), as columns."""
+        rows = [s for s in self._samples if since is None or s[0] > since]
+        return {
+            "t": [round(r[0], 2) for r in rows],
+            "kv_usage": [round(r[1], 4) for r in rows],
+            "hit_rate": [None if r[2] is None else round(r[2], 4) for r in rows],
+            "running": [r[3] for r in rows],
+            "waiting": [r[4] for r in rows],
+        }
+
+
+class KVMonitor:
+    """Snapshots of one engine's block pool for the dashboard, and the history behind its charts.
+
+    ``scheduler``: the engine's Scheduler; ``lock``: the lock the engine holds while a step changes
+    the scheduler (``EngineCore.lock``). ``start()`` samples the history every ``period_s`` on a
+    daemon thread until ``stop()``; ``sample()`` takes one sample now."""
+
+    def __init__(self, scheduler, lock=None, *, period_s: float = SAMPLE_PERIOD_S,
+                 capacity: int = HISTORY_SAMPLES, window_s: float = HIT_RATE_WINDOW_S,
+                 clock=time.time) -> None:
+        self.scheduler = scheduler
+        self.lock = lock if lock is not None else nullcontext()
+        self.period_s = period_s
+        self.clock = clock
+        self.history = KVHistory(capacity, window_s)
+        self._history_lock = threading.Lock()
+        self._last: tuple[float, dict] | None = None  # (monotonic time, the pool part of a snapshot)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- sampling --------------------------------------------------------------------------------
+
+    def sample(self) -> None:
+        sched = self.scheduler
+        with self.lock:
+            stats = sched.stats
+            values = (sched.kv.block_pool.usage, stats.prefix_cache_queries, stats.prefix_cache_hits,
+                      len(sched.running), len(sched.waiting))
+        with self._history_lock:
+            self.history.record(self.clock(), *values)
+
+    def start(self) -> KVMonitor:
+        if self._thread is None:
+            self._stop.clear()
+            self.sample()
+            self._thread = threading.Thread(target=self._run, name="kvserve-kv-map", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 - a failed sample leaves a gap, never a dead sampler
+                logger.exception("sampling the KV map failed")
+
+    # --- snapshots -------------------------------------------------------------------------------
+
+    def snapshot(self, since: float | None = None, *, fresh: bool = False) -> dict:
+        """The pool now (shared by calls within ``SNAPSHOT_REUSE_S`` unless ``fresh``) and the history
+        samples taken after ``since`` (all of them without). See the module's docstring."""
+        now = time.monotonic()
+        last = self._last
+        if fresh or last is None or now - last[0] > SNAPSHOT_REUSE_S:
+            last = self._last = (now, self._pool_snapshot())
+        with self._history_lock:
+            history = self.history.columns(since)
+        return {**last[1], "history": {"period_s": self.period_s, "window_s": self.history.window_s, **history}}
+
+    def _pool_snapshot(self) -> dict:
+        sched = self.scheduler
+        kv = sched.kv
+        pool = kv.block_pool
+        with self.lock:  # a consistent picture: no step changes the pool meanwhile
+            t = self.clock()
+            states = block_states(pool.blocks[1:])
+            chains = shared_chains(kv.req_to_blocks.values())
+            stats = sched.stats
+            running, waiting = len(sched.running), len(sched.waiting)
+            queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+            usage = pool.usage
+            tier = host_tier_usage(host_tier_of(sched))
+        grid = rle_encode(states)
+        counts = {name: states.count(code) for code, name in STATES.items()}
+        return {
+            "time": round(t, 3),
+            "block_size": kv.block_size,
+            "num_blocks": len(states),
+            "counts": counts,
+            "grid": grid,
+            "grid_id": hashlib.blake2b(grid.encode(), digest_size=6).hexdigest(),
+            "num_requests_running": running,
+            "num_requests_waiting": waiting,
+            "kv_cache_usage": usage,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "host_tier": tier,
+            "shared_prefixes": most_shared_prefixes(chains, kv.block_size),
+        }
