@@ -3,7 +3,9 @@ vLLM's /tokenize and /detokenize bodies, the error body, and the mapping to ``Sa
 
 Unknown fields are ignored, as OpenAI does. Features the engine lacks are refused by validation
 (HTTP 400 naming the field): ``logit_bias``, ``suffix``, ``best_of`` other than ``n``, ``echo`` with
-``logprobs`` (no prompt logprobs), tools, and response formats other than text. Every numeric field
+``logprobs`` (no prompt logprobs). Output constraints (``response_format``, vLLM's ``structured_outputs``
+and ``guided_*``, a ``required`` or named ``tool_choice``) become ``SamplingParams.structured_outputs``
+(``api.structured``); more than one at once is a 400 naming them. Every numeric field
 is checked against the ranges of ``api.limits`` (integers that fit the engine's types, finite floats
 in the sampler's ranges), every text field for lone surrogates (UTF-8 cannot carry them), and prompt
 token ids for the int32 range; the engine checks the rest (its caps, the vocabulary, the length), and
@@ -12,14 +14,16 @@ its ValueError becomes a 400 with its message.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
                       ValidatorFunctionWrapHandler, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from api import structured
 from api.limits import FLOAT_RANGES, INT_RANGES, TEXT_ERROR, valid_text
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _checked_text(value: str) -> str:
@@ -55,6 +59,61 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+def _value_error(exc: ValueError) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", "{reason}", {"reason": str(exc)})
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: the schema under ``schema``; ``strict`` is always honoured
+    (the output is constrained to the schema either way)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Text = "response"
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise PydanticCustomError("missing_schema", 'a response_format of type "json_schema" needs '
+                                                        'json_schema.schema (the JSON schema)')
+        return self
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        schema = self.json_schema.json_schema if self.json_schema is not None else None
+        return structured.from_response_format(self.type, schema)
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, or its text), ``json_object``,
+    ``regex``, ``choice`` and ``grammar`` (EBNF)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_schema: dict[str, Any] | Text | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputsRequest:
+        try:
+            self.constraint()
+        except ValueError as exc:
+            raise _value_error(exc) from None
+        return self
+
+    def constraint(self) -> StructuredOutputsParams:
+        return structured.from_fields(json=self.json_schema, regex=self.regex, choice=self.choice,
+                                      grammar=self.grammar, json_object=self.json_object)
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """The fields both APIs share: OpenAI's sampling fields and vLLM's extras."""
 
@@ -80,6 +139,13 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Text | None = None
+    # output constraints: OpenAI's response_format; vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_grammar: Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -95,9 +161,34 @@ class _SamplingRequest(OpenAIBaseModel):
             raise _unsupported("logit_bias")
         return None
 
+    @model_validator(mode="after")
+    def _one_output_constraint(self) -> _SamplingRequest:
+        try:
+            self.output_constraint()
+        except ValueError as exc:
+            raise _value_error(exc) from None
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def _constraints(self) -> dict[str, StructuredOutputsParams | None]:
+        """Each constraining field's constraint (None where the field sets none)."""
+        return {
+            "response_format": self.response_format.constraint() if self.response_format else None,
+            "structured_outputs": self.structured_outputs.constraint() if self.structured_outputs else None,
+            "guided_json": None if self.guided_json is None else StructuredOutputsParams(json=self.guided_json),
+            "guided_regex": None if self.guided_regex is None else StructuredOutputsParams(regex=self.guided_regex),
+            "guided_choice": None if self.guided_choice is None else StructuredOutputsParams(
+                choice=tuple(self.guided_choice)),
+            "guided_grammar": None if self.guided_grammar is None else StructuredOutputsParams(
+                grammar=self.guided_grammar),
+        }
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, or None; ValueError naming the fields that set more."""
+        return structured.constraint_of(self._constraints())
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (from SamplingParams) for values out of range."""
@@ -114,6 +205,7 @@ class _SamplingRequest(OpenAIBaseModel):
             presence_penalty=default(self.presence_penalty, 0.0),
             frequency_penalty=default(self.frequency_penalty, 0.0),
             repetition_penalty=default(self.repetition_penalty, 1.0),
+            structured_outputs=self.output_constraint(),
         )
 
 
@@ -182,10 +274,72 @@ class ContentPart(OpenAIBaseModel):
     text: Text = ""
 
 
+_TOOL_NAME_ERROR = "a function name is 1 to 64 letters, digits, underscores, dashes or dots"
+
+
+def _checked_tool_name(value: str) -> str:
+    if not 1 <= len(value) <= 64 or not all(c.isascii() and (c.isalnum() or c in "_-.") for c in value):
+        raise PydanticCustomError("invalid_name", _TOOL_NAME_ERROR + ", got {name}", {"name": repr(value[:80])})
+    return value
+
+
+ToolName = Annotated[str, AfterValidator(_checked_tool_name)]
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: ToolName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: no arguments
+    strict: bool | None = None  # calls constrained by tool_choice follow the schema either way
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(OpenAIBaseModel):
+    name: Text
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: Text
+    arguments: Text = "{}"  # the arguments as a JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    """A call an earlier assistant message made (in the conversation sent back)."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates read it: ``arguments`` decoded when they are a JSON object (templates
+        write them with ``tojson``), else the text as it is."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = None
+        call = {"type": "function", "function": {
+            "name": self.function.name,
+            "arguments": arguments if isinstance(arguments, dict) else self.function.arguments}}
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -197,14 +351,18 @@ class ChatMessage(OpenAIBaseModel):
                 raise _unsupported(f"content of type {part.type!r}")
         return value
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self) -> dict[str, Any]:
         """The message as a chat template reads it; text parts are joined by newlines."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -242,31 +400,34 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int["max_completion_tokens"] | None = None  # wins over the deprecated max_tokens
     logprobs: bool = False
     top_logprobs: Int["top_logprobs"] | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    response_format: dict | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM extra
     chat_template_kwargs: TemplateKwargs = None  # vLLM extra: further chat template variables
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value: list | None) -> None:
-        if value:
-            raise _unsupported("tools")
-        return None
+    def _distinct_tools(cls, value: list[ChatTool] | None) -> list[ChatTool] | None:
+        names = [tool.function.name for tool in value or ()]
+        if duplicate := next((name for name in names if names.count(name) > 1), None):
+            raise PydanticCustomError("duplicate_tool", "two tools are named {name}", {"name": repr(duplicate)})
+        return value
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, value: str | dict | None) -> str | None:
-        if value not in (None, "none", "auto"):
-            raise _unsupported(f"tool_choice {value!r}")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value: dict | None) -> dict | None:
-        if value is not None and value.get("type") != "text":
-            raise _unsupported(f"response_format of type {value.get('type')!r}")
+    def _tool_choice_needs_tools(cls, value: str | NamedToolChoice | None, info) -> str | NamedToolChoice | None:
+        tools = info.data.get("tools")
+        if value is None:
+            return value
+        if not tools:
+            raise PydanticCustomError("tools_missing", "tool_choice is only allowed when tools are given")
+        if isinstance(value, NamedToolChoice):
+            names = [tool.function.name for tool in tools]
+            if value.function.name not in names:
+                raise PydanticCustomError(
+                    "unknown_tool", "tool_choice names the function {name}, which is not among the tools "
+                    "({names})", {"name": repr(value.function.name), "names": ", ".join(names)})
         return value
 
     @model_validator(mode="after")
@@ -274,6 +435,29 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("invalid_value", "top_logprobs requires logprobs to be true")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """"none" without tools; "auto" when tools are given without a choice."""
+        if not self.tools:
+            return "none"
+        return "auto" if self.tool_choice is None else self.tool_choice
+
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        return None if not self.tools else [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def _constraints(self) -> dict[str, StructuredOutputsParams | None]:
+        """The fields' constraints, and that of a required or named ``tool_choice``."""
+        constraints = super()._constraints()
+        choice = self.effective_tool_choice
+        functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools or ()]
+        if choice == "required":
+            schema = structured.required_calls_schema(functions, self.parallel_tool_calls)
+            constraints["tool_choice"] = StructuredOutputsParams(json=schema)
+        elif isinstance(choice, NamedToolChoice):
+            function = next(f for f in functions if f["name"] == choice.function.name)
+            constraints["tool_choice"] = StructuredOutputsParams(json=structured.tool_parameters(function))
+        return constraints
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -2,7 +2,8 @@
 usage, logprobs in each API's format, the model list, and vLLM's /tokenize and /detokenize answers.
 
 Streamed chat deltas leave out the fields they do not carry (``{"content": "…"}``), and chunks carry
-``usage`` only in the final usage chunk, as OpenAI sends them.
+``usage`` only in the final usage chunk, as OpenAI sends them. A message carries ``tool_calls`` only
+when calls were made (its ``content`` then null unless text came before them).
 """
 
 from __future__ import annotations
@@ -118,9 +119,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallResponse(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallResponse(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallResponse
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallResponse] | None = Field(None, **_OMIT_NONE)
 
 
 class ChatChoice(BaseModel):
@@ -131,8 +144,17 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
     def extend(self, delta: ChatStreamChoice) -> None:
-        """Append a streamed delta of the same choice."""
+        """Append a streamed delta of the same choice: its content, logprobs and tool-call pieces (a
+        piece with an ``id`` opens a call, the others extend its arguments)."""
         self.message.content = (self.message.content or "") + (delta.delta.content or "")
+        for piece in delta.delta.tool_calls or ():
+            calls = self.message.tool_calls = self.message.tool_calls or []
+            if piece.id is not None:
+                calls.append(ToolCallResponse(id=piece.id, function=FunctionCallResponse(
+                    name=piece.function.name or "", arguments="")))
+            calls[piece.index].function.arguments += piece.function.arguments or ""
+        if self.message.tool_calls and not self.message.content:
+            self.message.content = None  # only calls were made
         if delta.logprobs is not None:
             self.logprobs = self.logprobs or ChatLogprobs(content=[])
             self.logprobs.content.extend(delta.logprobs.content or [])
@@ -148,9 +170,25 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(None, **_OMIT_NONE)
+    arguments: str | None = Field(None, **_OMIT_NONE)
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a call: the first has ``id``, ``type``, the name and ``arguments: ""``;
+    later ones an argument fragment (as OpenAI streams them)."""
+
+    index: int
+    id: str | None = Field(None, **_OMIT_NONE)
+    type: Literal["function"] | None = Field(None, **_OMIT_NONE)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(None, **_OMIT_NONE)
     content: str | None = Field(None, **_OMIT_NONE)
+    tool_calls: list[DeltaToolCall] | None = Field(None, **_OMIT_NONE)
 
 
 class ChatStreamChoice(BaseModel):

@@ -4,6 +4,12 @@
     per prompt, n samples each) ─► wait for the first output (admission errors keep their status)
     ─► a response dict, or an ``EventStream`` of SSE strings
 
+Tools: the request's tools reach the chat template. A ``required`` or named ``tool_choice`` constrains
+the output (``api.openai_protocol``), whose calls are then read by ``RequiredCallsParser`` /
+``NamedCallParser``; ``auto`` reads calls out of free text with the server's ``tool_call_parser``
+(``api.tool_parsers``). Calls become ``message.tool_calls`` (streamed: ``delta.tool_calls`` pieces)
+and a choice that made calls and stopped finishes with ``tool_calls``.
+
 Choice ``i`` of prompt ``p`` has index ``p * n + i``. Usage counts each prompt once, completion tokens
 over all choices, and the prompt tokens the prefix cache served. Once a stream has started, an error
 becomes an error event followed by ``[DONE]``; a stream left early aborts its engine requests.
@@ -25,12 +31,14 @@ from pydantic import BaseModel
 from api.engine_client import AsyncLLMClient, EngineClient, EngineStreams, OpenAIError
 from api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from api.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 TokenizeRequest)
+                                 NamedToolChoice, TokenizeRequest)
 from api.openai_responses import (ChatChoice, ChatCompletionResponse, ChatCompletionStreamResponse,
                                   ChatResponseMessage, ChatStreamChoice, CompletionChoice,
-                                  CompletionResponse, CompletionStreamResponse, DeltaMessage,
-                                  DetokenizeResponse, ModelCard, ModelList,
+                                  CompletionResponse, CompletionStreamResponse, DeltaFunctionCall,
+                                  DeltaMessage, DeltaToolCall, DetokenizeResponse, ModelCard, ModelList,
                                   TokenizeResponse, UsageCounter)
+from api.tool_parsers import (DEFAULT_TOOL_PARSER, TOOL_PARSERS, NamedCallParser, RequiredCallsParser,
+                              ToolCallExtractor, ToolParser, check_tool_parser)
 from engine.messages import CompletionOutput, RequestOutput, merge_outputs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -72,12 +80,16 @@ class EventStream:
 
 class OpenAIServing:
     """Completions, chat completions, models and vLLM's tokenize/detokenize for one served model.
-    Every method raises ``OpenAIError`` (status, OpenAI error body) for whatever goes wrong."""
+    Every method raises ``OpenAIError`` (status, OpenAI error body) for whatever goes wrong.
+    ``tool_call_parser`` names the format calls are read in under ``tool_choice: "auto"``
+    (``api.tool_parsers.TOOL_PARSERS``)."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, served_model_name: str,
-                 max_model_len: int, stream_interval: int = 1) -> None:
+                 max_model_len: int, stream_interval: int = 1,
+                 tool_call_parser: str = DEFAULT_TOOL_PARSER) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.tool_call_parser = check_tool_parser(tool_call_parser)
         self.engine = engine
         self.stream_interval = stream_interval
         self.tokenizer = tokenizer
@@ -117,13 +129,13 @@ class OpenAIServing:
     async def chat_completions(self, req: ChatCompletionRequest) -> dict | EventStream:
         self._check_model(req.model)
         prompt = self._chat_prompt([m.for_template() for m in req.messages], req.add_generation_prompt,
-                                   req.chat_template_kwargs)
+                                   req.chat_template_kwargs, req.tools_for_template())
         params = req.to_sampling_params()
         self._check_length(len(prompt), params.max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(request_id, [prompt], params, req.cache_salt)
         usage = UsageCounter([prompt])
-        choices = self._chat_choices(streams, params, usage)
+        choices = self._chat_choices(streams, params, usage, self._tool_parser(req))
         if req.stream:
             return self._event_stream(self._chat_chunks(request_id, params.n, choices, usage, req.include_usage),
                                       streams)
@@ -184,17 +196,28 @@ class OpenAIServing:
         return texts, [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                     chat_template_kwargs: dict | None = None) -> str:
+                     chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      chat_template_kwargs=chat_template_kwargs)
+                                                      tools=tools, chat_template_kwargs=chat_template_kwargs)
         except (ValueError, jinja2.TemplateError) as exc:  # the template's raise_exception: a ValueError
             raise OpenAIError.bad_request(f"the chat template refused the messages: {exc}", "messages") from exc
 
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool,
-                     chat_template_kwargs: dict | None = None) -> list[int]:
-        text = self._render_chat(messages, add_generation_prompt, chat_template_kwargs)
+                     chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+        text = self._render_chat(messages, add_generation_prompt, chat_template_kwargs, tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _tool_parser(self, req: ChatCompletionRequest) -> ToolParser | None:
+        """How calls are read out of the request's output; None: the output is all content."""
+        choice = req.effective_tool_choice
+        if choice == "none":
+            return None
+        if choice == "required":
+            return RequiredCallsParser()
+        if isinstance(choice, NamedToolChoice):
+            return NamedCallParser(choice.function.name)
+        return TOOL_PARSERS[self.tool_call_parser]()
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
         limit = self.max_model_len
@@ -253,14 +276,31 @@ class OpenAIServing:
                                    finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
                                    token_ids=list(sample.token_ids) if token_ids else None)
 
-    async def _chat_choices(self, streams: EngineStreams, params: SamplingParams, usage: UsageCounter
-                            ) -> AsyncIterator[ChatStreamChoice]:
+    async def _chat_choices(self, streams: EngineStreams, params: SamplingParams, usage: UsageCounter,
+                            tool_parser: ToolParser | None = None) -> AsyncIterator[ChatStreamChoice]:
+        """One delta choice per engine delta per sample. With a tool parser each sample's text so far
+        is scanned for calls: the delta carries the new content and call pieces, and a sample that
+        made calls and stopped finishes with ``tool_calls``."""
+        extractors: dict[int, ToolCallExtractor] = {}
+        texts: dict[int, str] = {}  # each sample's text so far
         async for index, sample in self._samples(streams, params.n, usage):
             logprobs = None
             if params.logprobs is not None:
                 logprobs = chat_logprobs(self.token_texts, sample, params.logprobs)
-            yield ChatStreamChoice(index=index, delta=DeltaMessage(content=sample.text), logprobs=logprobs,
-                                   finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
+            finish_reason = sample.finish_reason
+            if tool_parser is None:
+                delta = DeltaMessage(content=sample.text)
+            else:
+                extractor = extractors.setdefault(index, ToolCallExtractor(tool_parser))
+                texts[index] = texts.get(index, "") + sample.text
+                content, pieces = extractor.update(texts[index], finish_reason is not None)
+                delta = DeltaMessage(content=content or None, tool_calls=[DeltaToolCall(
+                    index=p.index, id=p.id, type=None if p.id is None else "function",
+                    function=DeltaFunctionCall(name=p.name, arguments=p.arguments)) for p in pieces] or None)
+                if finish_reason == "stop" and extractor.calls:
+                    finish_reason = "tool_calls"
+            yield ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                   finish_reason=finish_reason, stop_reason=sample.stop_reason)
 
     async def _completion_chunks(self, request_id: str, choices: AsyncIterator[CompletionChoice],
                                  usage: UsageCounter, include_usage: bool) -> AsyncIterator[BaseModel]:
@@ -278,7 +318,7 @@ class OpenAIServing:
             start = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             yield ChatCompletionStreamResponse(id=request_id, model=name, choices=[start])
         async for choice in choices:
-            if choice.delta.content or choice.finish_reason or choice.logprobs:
+            if choice.delta.content or choice.delta.tool_calls or choice.finish_reason or choice.logprobs:
                 yield ChatCompletionStreamResponse(id=request_id, model=name, choices=[choice])
         if include_usage:
             yield ChatCompletionStreamResponse(id=request_id, model=name, choices=[], usage=usage.info())

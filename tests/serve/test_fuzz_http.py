@@ -148,8 +148,10 @@ def chat_requests() -> st.SearchStrategy:
         setter("messages", st.one_of(st.just([]), st.lists(st.one_of(st.integers(), words, st.lists(st.integers())),
                                                             min_size=1, max_size=3), st.none(), words)),
         setter("messages", st.integers(2100, 4000).map(lambda n: [{"role": "user", "content": "word " * n}])),
-        setter("tools", st.just([{"type": "function", "function": {"name": "f"}}])),
-        setter("response_format", st.sampled_from([{"type": "json_object"}, {"type": "json_schema"}])),
+        setter("tools", st.sampled_from([[{"type": "function"}], [{"type": "function", "function": {"name": ""}}],
+                                         [{"type": "function", "function": {"name": "f", "parameters": 5}}]])),
+        setter("response_format", st.sampled_from([{"type": "xml"}, {"type": "json_schema"},
+                                                   {"type": "json_schema", "json_schema": {"name": "x"}}])),
         remover("messages"))
     return st.builds(_apply, st.just("/v1/chat/completions"), base, st.lists(mutation, min_size=1, max_size=3))
 

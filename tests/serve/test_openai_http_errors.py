@@ -47,7 +47,11 @@ from tests.serve.openai_harness import (API_KEY, GREEDY, MODEL, REPLICA, app, as
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+     "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
 ])
 def test_bad_requests_get_400_with_an_openai_error_body(http, run, path, body, param):

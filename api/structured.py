@@ -1,0 +1,71 @@
+"""What a request's structured-output fields constrain the generation to, as one
+``StructuredOutputsParams``, and the JSON schemas of constrained tool calls.
+
+    response_format {"type": "json_object"}                         → json_object
+    response_format {"type": "json_schema", "json_schema": {...}}   → json (the schema)
+    structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}   (vLLM)
+    guided_json, guided_regex, guided_choice, guided_grammar                             (vLLM, older names)
+    tool_choice "required"                  → json: an array of calls, one item schema per tool
+    tool_choice {"type": "function", ...}   → json: that function's arguments
+
+At most one of them may be given; two are a ValueError naming both (HTTP 400). Whether a schema,
+regex or grammar compiles is the engine's to say, at admission (a ValueError with the library's reason).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling_params import StructuredOutputsParams
+
+# a function without "parameters" takes no arguments (as OpenAI reads it)
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def tool_parameters(function: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of a function's arguments (an object schema; none given: no arguments)."""
+    parameters = function.get("parameters")
+    return dict(EMPTY_PARAMETERS) if parameters is None else parameters
+
+
+def required_calls_schema(functions: list[dict[str, Any]], parallel_tool_calls: bool) -> dict[str, Any]:
+    """The schema of ``tool_choice: "required"``: a JSON array of ``{"name": ..., "arguments": ...}``,
+    each item one of the tools (``anyOf``, the name a one-value enum so that the arguments follow
+    their tool's schema), at least one item, exactly one without ``parallel_tool_calls``."""
+    items = [{
+        "type": "object",
+        "properties": {"name": {"type": "string", "enum": [function["name"]]},
+                       "arguments": tool_parameters(function)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for function in functions]
+    schema: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
+                              "minItems": 1}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return schema
+
+
+def constraint_of(given: dict[str, StructuredOutputsParams | None]) -> StructuredOutputsParams | None:
+    """The one constraint among the request fields that set one (field name → its constraint or
+    None); ValueError naming the fields when more than one does."""
+    named = {name: value for name, value in given.items() if value is not None}
+    if len(named) > 1:
+        raise ValueError(f"give at most one output constraint, got {len(named)}: {', '.join(named)}")
+    return next(iter(named.values()), None)
+
+
+def from_response_format(kind: str, schema: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """``response_format`` of type "text" (no constraint), "json_object" or "json_schema"."""
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=schema)
+    return None
+
+
+def from_fields(json: dict | str | None = None, regex: str | None = None, choice: list[str] | None = None,
+                grammar: str | None = None, json_object: bool | None = None) -> StructuredOutputsParams:
+    """vLLM's ``structured_outputs`` object: exactly one of its fields (ValueError otherwise)."""
+    return StructuredOutputsParams(json=json, regex=regex, choice=None if choice is None else tuple(choice),
+                                   grammar=grammar, json_object=bool(json_object))
