@@ -33,6 +33,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import ray
@@ -52,10 +53,11 @@ from api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from api.openai_serving import OpenAIServing
 from cluster.scheduler_actor import launch_scheduler_actor
 from engine import EngineDeadError, EngineOverloadedError, SamplingParams, engine_config
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.messages import RequestOutput, merge_outputs
 from engine.sampling_params import RequestOutputKind
 from engine.tokenizer import Tokenizer
+from workers.model_source import localize_model
 
 ENGINE_NAMESPACE = "kvserve"
 ROUTING_STATS_PERIOD_S = 1.0
@@ -121,7 +123,12 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = None  # a model directory; default: the llama `small` preset, built if missing
+    # a model directory or a Hugging Face repo id (resolved on every node through its Hugging Face cache,
+    # downloaded where missing); default: the llama `small` preset, built if missing
+    model: str | None = None
+    revision: str | None = None  # of a repo id: a branch, tag or commit
+    # Ray Serve LLM's shape: {"model_id": served name, "model_source": directory or repo id}
+    model_loading_config: dict[str, Any] = Field(default_factory=dict)
     served_model_name: str | None = None
     tensor_parallel_size: int = 1
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -196,6 +203,27 @@ class AppArgs(BaseModel):
             if key in data and data[key] != value:
                 raise ValueError(f"{key} is given as {data[key]!r} and in engine_kwargs as {value!r}: give it once")
             merged[key] = value
+        return merged
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_loading_config(cls, data: Any) -> Any:
+        """model_loading_config's model_source and model_id become model and served_model_name."""
+        if not isinstance(data, dict) or not data.get("model_loading_config"):
+            return data
+        loading = data["model_loading_config"]
+        if not isinstance(loading, dict):
+            raise ValueError("model_loading_config must be a mapping with model_id and model_source")
+        unknown = sorted(set(loading) - {"model_id", "model_source"})
+        if unknown:
+            raise ValueError(f"model_loading_config: unknown key {unknown[0]!r} (known: model_id, model_source)")
+        merged = dict(data)
+        for key, flat in (("model_source", "model"), ("model_id", "served_model_name")):
+            if key in loading:
+                if data.get(flat) is not None and data[flat] != loading[key]:
+                    raise ValueError(f"{flat} is given as {data[flat]!r} and in model_loading_config as "
+                                     f"{loading[key]!r}: give it once")
+                merged[flat] = loading[key]
         return merged
 
     @model_validator(mode="after")
@@ -608,10 +636,10 @@ class EngineGate:
 class Ingress:
     """HTTP (OpenAI API), gRPC and Python-handle entry point of the application."""
 
-    def __init__(self, llm_server: DeploymentHandle, model_dir: str, served_model_name: str,
+    def __init__(self, llm_server: DeploymentHandle, model: ModelConfig, served_model_name: str,
                  max_model_len: int, api_key: str | None, stream_interval: int = 1, min_engines: int = 1,
                  api_key_env: str | None = None, api_key_file: str | None = None) -> None:
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = Tokenizer(localize_model(model).path)  # the checkpoint's copy on this node
         self.app_name = serve.get_replica_context().app_name
         self.engines = EngineWatch(self.app_name, min_engines)
         self.client = ServeEngineClient(llm_server, self.engines)
@@ -621,27 +649,36 @@ class Ingress:
             api_key_from_file(api_key_file) if api_key_file is not None else api_key
 
     def __serve_build_asgi_app__(self):
-        app = build_openai_app(lambda: self.serving, api_key=self.api_key, metrics_text=self.metrics_text)
+        app = build_openai_app(lambda: self.serving, api_key=self.api_key, metrics_text=self.metrics_text,
+                               kv_map=self.kv_map)
         app.add_middleware(EngineGate, available=self.engines.available, api_key=self.api_key)
         return app
 
     async def metrics_text(self) -> str:
         """Prometheus text (prometheus_client's exposition, api/metrics.py) for every LLMServer
         replica of this application, labelled by replica."""
+        return prometheus_text(await self._ask_engines("stats"), self.served_model_name)
+
+    async def kv_map(self) -> dict:
+        """The KV-cache map (engine/kv_map.py) of every LLMServer replica's engine, by replica (the
+        /metrics label)."""
+        return await self._ask_engines("kv_map")
+
+    async def _ask_engines(self, method: str) -> dict:
+        """``method``'s answer from every scheduler actor of this application, by replica."""
         prefix = f"engine:{self.app_name}:"
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a.get("namespace") == ENGINE_NAMESPACE and a["name"].startswith(prefix)]
 
-        async def stats_of(name: str) -> dict | None:
+        async def ask(name: str):
             try:
                 actor = ray.get_actor(name, namespace=ENGINE_NAMESPACE)
-                return await asyncio.wait_for(actor.stats.remote(), timeout=5)
+                return await asyncio.wait_for(getattr(actor, method).remote(), timeout=5)
             except Exception:  # noqa: BLE001 - a replica going away between list and call
                 return None
 
-        results = await asyncio.gather(*(stats_of(n) for n in names))
-        by_replica = {n.removeprefix(prefix): s for n, s in zip(names, results) if s is not None}
-        return prometheus_text(by_replica, self.served_model_name)
+        results = await asyncio.gather(*(ask(n) for n in names))
+        return {n.removeprefix(prefix): r for n, r in zip(names, results) if r is not None}
 
     # --- Python handles: serve.get_app_handle(name).generate.remote(...) ---------------------------
 
@@ -826,12 +863,8 @@ def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | 
 def build_app(args: AppArgs | dict | None = None):
     """The application for `serve run serve_app:app key=value ...` (and `serve deploy`)."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
-    if args.model is None:
-        from workers.model_builder import default_model_dir
-
-        args = args.model_copy(update={"model": str(default_model_dir())})
     config = engine_config(
-        args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, block_size=args.block_size,
+        args.model, revision=args.revision, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -847,7 +880,8 @@ def build_app(args: AppArgs | dict | None = None):
     # adds the nodes they need, so the nodes alive now say nothing about where they will fit
     gpus_now = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else None
     plan = plan_reservations(args, use_gpu, None if use_gpu and gpus_now == 0 else cluster_cpus())
-    served_name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
+    # a repo id is served under its own name (as the hub spells it); a directory under its last component
+    served_name = args.served_model_name or config.model.source or Path(config.model.path).name
     options: dict = {
         "name": "LLMServer",
         "ray_actor_options": {"num_cpus": plan.replica_cpus},
@@ -889,7 +923,7 @@ def build_app(args: AppArgs | dict | None = None):
         api_key_from_env(args.api_key_env)  # set where the app is built too: a missing key stops the build
     if args.api_key_file is not None:
         api_key_from_file(args.api_key_file)
-    return ingress.bind(llm_server, args.model, served_name, config.max_model_len, args.api_key,
+    return ingress.bind(llm_server, config.model, served_name, config.max_model_len, args.api_key,
                         args.stream_interval, min_engines, args.api_key_env, args.api_key_file)
 
 

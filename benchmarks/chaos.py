@@ -52,7 +52,7 @@ class Record:
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory (default: the llama `small` preset, built if missing)")
+    parser.add_argument("--model", help="model directory or Hugging Face repo id (default: the llama `small` preset, built if missing)")
     parser.add_argument("--concurrency", type=int, default=4, help="clients sending requests back to back")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (EOS ignored)")
     parser.add_argument("--timeout", type=float, default=60.0, help="client timeout: a request without an "

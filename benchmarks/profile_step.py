@@ -30,7 +30,7 @@ OP_FAMILIES = {
 
 
 def add_profile_step_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory (default: the llama `small` preset, built if missing)")
+    parser.add_argument("--model", help="model directory or Hugging Face repo id (default: the llama `small` preset, built if missing)")
     parser.add_argument("--num-seqs", type=int, default=64, help="sequences running in the profiled steps")
     parser.add_argument("--prompt-len", type=int, default=544, help="prompt tokens per sequence")
     parser.add_argument("--shared-prefix", type=int, default=512, help="leading prompt tokens all sequences share")
@@ -175,10 +175,9 @@ def format_profile(result: dict) -> str:
 
 
 def run_profile_step(args: argparse.Namespace) -> int:
-    if args.model is None:
-        from workers.model_builder import default_model_dir
+    from workers.model_source import resolve_model
 
-        args.model = str(default_model_dir())
+    args.model = str(resolve_model(args.model))  # a directory, a Hugging Face repo id, or the default
     result = profile_step(args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len,
                           shared_prefix=args.shared_prefix, steps=args.steps, threads=args.threads,
                           block_size=args.block_size, attention_backend=args.attention_backend,

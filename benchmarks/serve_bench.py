@@ -16,7 +16,7 @@ from benchmarks.workloads import BenchRequest, Workload, distinct
 
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory (default: the llama `small` preset)")
+    parser.add_argument("--model", help="model directory or Hugging Face repo id (default: the llama `small` preset)")
     parser.add_argument("--url", help="measure this running server instead of starting one")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--num-requests", type=int, default=64)
@@ -130,10 +130,9 @@ def format_serve_report(report: dict) -> str:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    if args.model is None:
-        from workers.model_builder import default_model_dir
+    from workers.model_source import resolve_model
 
-        args.model = str(default_model_dir())
+    args.model = str(resolve_model(args.model))  # a directory, a Hugging Face repo id, or the default
     report = bench_serve(args.model, url=args.url, concurrency=args.concurrency, num_requests=args.num_requests,
                          prompt_len=args.prompt_len, output_len=args.output_len, max_num_seqs=args.max_num_seqs,
                          threads=args.threads, unstreamed=args.no_stream, repeats=args.repeats)

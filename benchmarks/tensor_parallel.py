@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 
 
 def add_bench_tp_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory (default: the llama `small` preset)")
+    parser.add_argument("--model", help="model directory or Hugging Face repo id (default: the llama `small` preset)")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to compare")
     parser.add_argument("--dispatch", nargs="+", default=["remote", "compiled"],
                         help="dispatch modes to try at TP > 1")
@@ -81,10 +81,9 @@ def format_tp_report(report: dict) -> str:
 
 
 def run_bench_tp(args: argparse.Namespace) -> int:
-    if args.model is None:
-        from workers.model_builder import default_model_dir
+    from workers.model_source import resolve_model
 
-        args.model = str(default_model_dir())
+    args.model = str(resolve_model(args.model))  # a directory, a Hugging Face repo id, or the default
     report = bench_tp(args.model, args.tp, args.dispatch, args.num_requests, args.prompt_len, args.output_len)
     print(format_tp_report(report))
     if args.json:

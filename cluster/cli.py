@@ -8,7 +8,7 @@ import time
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory (default: the llama `small` preset, built if missing)")
+    parser.add_argument("--model", help="model directory or Hugging Face repo id (default: the llama `small` preset, built if missing)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -22,8 +22,10 @@ from engine.async_engine import AsyncLLM
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.executor import create_executor
+from engine.kv_map import KVMonitor
 from engine.messages import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from workers.model_source import localize
 
 
 class _Subscriber:
@@ -48,11 +50,14 @@ class SchedulerActor:
             import torch
 
             torch.set_num_threads(torch_threads)  # Ray pins OMP_NUM_THREADS=1 in actors
+        config = localize(config)  # the checkpoint's copy on this node
         self.config = config
         core = EngineCore(config, create_executor(config, **(executor_kwargs or {})))
         self.engine = AsyncLLM(config, core=core, max_waiting_requests=max_waiting_requests)
         self._subscribers: dict[str, _Subscriber] = {}
         self._finished: dict[str, asyncio.Event] = {}
+        # the dashboard's KV map: sampled here, where the engine lives, so a new viewer sees history
+        self.kv_monitor = KVMonitor(core.scheduler, core.lock).start()
 
     def ready(self) -> dict:
         """This actor's pid and pool size; raises EngineDeadError once the engine gave up on its ranks."""
@@ -126,6 +131,11 @@ class SchedulerActor:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def kv_map(self) -> dict:
+        """The KV-cache map of this engine (engine/kv_map.py): block states, counts, history, the most
+        shared prefixes."""
+        return self.kv_monitor.snapshot()
+
     def routing_stats(self) -> dict:
         """What a prefix-aware router needs: the cached block hashes. (Load comes from Serve's own
         queue lengths; reporting it here would change the stats, and make Serve's controller
@@ -145,6 +155,7 @@ class SchedulerActor:
         return executor.worker_pids() if hasattr(executor, "worker_pids") else [os.getpid()]
 
     async def shutdown(self) -> None:
+        self.kv_monitor.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
 
 

@@ -10,12 +10,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.messages import ModelRunnerOutput, SchedulerOutput
+from workers.model_source import localize
 from workers.worker import Worker
 
 
 class WorkerActor:
     def __init__(self, config: EngineConfig, rank: int) -> None:
-        self.config = config
+        self.config = localize(config)  # the checkpoint's copy on this node
         self.rank = rank
         self.worker: Worker | None = None
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)

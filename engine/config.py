@@ -34,7 +34,10 @@ def _as_ids(value) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Hugging Face model directory, read from its config.json and generation_config.json."""
+    """A Hugging Face model directory, read from its config.json and generation_config.json.
+
+    ``source`` is the Hugging Face repo id (and ``revision``) the directory came from, if any: a process on
+    another node finds its own copy by it (``workers.model_source.localize``)."""
 
     path: str
     hf_config: dict = field(repr=False, hash=False, compare=False)
@@ -43,9 +46,12 @@ class ModelConfig:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     dtype: str = "auto"
+    source: str | None = None
+    revision: str | None = None
 
     @classmethod
-    def from_dir(cls, path: str | Path, dtype: str = "auto", max_model_len: int | None = None) -> ModelConfig:
+    def from_dir(cls, path: str | Path, dtype: str = "auto", max_model_len: int | None = None,
+                 source: str | None = None, revision: str | None = None) -> ModelConfig:
         root = Path(path)
         if not (root / "config.json").exists():
             raise ValueError(f"{root} is not a model directory: it has no config.json")
@@ -74,19 +80,26 @@ class ModelConfig:
             vocab_size=int(hf_config["vocab_size"]),
             eos_token_ids=eos,
             dtype=dtype,
+            source=source,
+            revision=revision,
         )
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """KV pool size: ``num_kv_blocks`` if given, else ``kv_cache_memory_bytes`` per rank, else (CUDA)
-    ``gpu_memory_utilization`` of the device after profiling a forward pass."""
+    ``gpu_memory_utilization`` of the device after profiling a forward pass.
+
+    The host KV tier (off by default; needs prefix caching): ``num_host_kv_blocks`` blocks if given,
+    else ``kv_offload_bytes`` of host memory per rank."""
 
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    num_host_kv_blocks: int = 0
+    kv_offload_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= 1024:
@@ -97,6 +110,19 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if isinstance(self.num_host_kv_blocks, bool) or not isinstance(self.num_host_kv_blocks, int) \
+                or self.num_host_kv_blocks < 0:
+            raise ValueError(f"num_host_kv_blocks must be an integer >= 0, got {self.num_host_kv_blocks!r}")
+        if self.kv_offload_bytes is not None and self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
+        if (self.num_host_kv_blocks or self.kv_offload_bytes) and not self.enable_prefix_caching:
+            raise ValueError("the host KV tier (num_host_kv_blocks, kv_offload_bytes) needs enable_prefix_caching")
+
+    def host_kv_blocks_for(self, bytes_per_block: int) -> int:
+        """Blocks of the host KV tier on every rank (0: no tier)."""
+        if self.num_host_kv_blocks:
+            return self.num_host_kv_blocks
+        return (self.kv_offload_bytes or 0) // bytes_per_block
 
 
 @dataclass(frozen=True)

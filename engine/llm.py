@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.core import EngineCore
@@ -14,14 +15,21 @@ from engine.sampling_params import SamplingParams
 Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
 
 
-def default_model_dir() -> str:
-    """The default checkpoint, built into the cache directory on first use."""
-    return str(importlib.import_module("workers.model_builder").default_model_dir())
+def model_config(model: str | None, *, revision: str | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None) -> ModelConfig:
+    """``ModelConfig`` for what users write as ``model=``: nothing (the default checkpoint), a directory or
+    a Hugging Face repo id. Resolving it is the workers' business (``workers.model_source``, loaded by name
+    like the executors)."""
+    path = importlib.import_module("workers.model_source").resolve_model(model, revision)
+    source = None if model is None or Path(model).expanduser().is_dir() else str(model)
+    return ModelConfig.from_dir(path, dtype=dtype, max_model_len=max_model_len, source=source,
+                                revision=revision if source else None)
 
 
 def engine_config(
     model: str | None = None,
     *,
+    revision: str | None = None,
     tensor_parallel_size: int = 1,
     dtype: str = "auto",
     block_size: int = 16,
@@ -29,6 +37,8 @@ def engine_config(
     num_kv_blocks: int | None = None,
     kv_cache_memory_bytes: int | None = None,
     gpu_memory_utilization: float = 0.9,
+    num_host_kv_blocks: int = 0,
+    kv_offload_bytes: int | None = None,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
     max_model_len: int | None = None,
@@ -48,9 +58,9 @@ def engine_config(
 ) -> EngineConfig:
     """An ``EngineConfig`` from the flat keyword arguments users know from vLLM."""
     return EngineConfig(
-        model=ModelConfig.from_dir(model or default_model_dir(), dtype=dtype, max_model_len=max_model_len),
+        model=model_config(model, revision=revision, dtype=dtype, max_model_len=max_model_len),
         cache=CacheConfig(block_size, enable_prefix_caching, num_kv_blocks, kv_cache_memory_bytes,
-                          gpu_memory_utilization),
+                          gpu_memory_utilization, num_host_kv_blocks, kv_offload_bytes),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size, placement_strategy, tp_dispatch),
         device=device,
@@ -70,7 +80,7 @@ def engine_config(
 class LLM:
     """Batch generation with a paged KV cache, prefix caching and continuous batching.
 
-    >>> llm = LLM(model="/path/to/model")
+    >>> llm = LLM(model="/path/to/model")  # or a Hugging Face repo id: "org/name"
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
     """
 
@@ -106,9 +116,14 @@ class LLM:
         processed = [self.core.process_inputs(self._prompt_input(p)) for p in prompts]
         for p in params:
             self.core.check_sampling_params(p)
+        # constraints compile together (a thread pool, the cache shares repeats); any that does not
+        # compile raises ValueError here, before anything is added
+        compiling = [self.core.structured_outputs.compile_async(p.structured_outputs) if p.structured_outputs
+                     else None for p in params]
+        grammars = [None if f is None else f.result() for f in compiling]
         request_ids = [str(next(self._ids)) for _ in prompts]
-        for request_id, (text, token_ids), p in zip(request_ids, processed, params):
-            self.core.add_processed_request(request_id, text, token_ids, p, cache_salt=cache_salt)
+        for request_id, (text, token_ids), p, grammar in zip(request_ids, processed, params, grammars):
+            self.core.add_processed_request(request_id, text, token_ids, p, cache_salt=cache_salt, grammar=grammar)
         finals: dict[str, RequestOutput] = {}
         try:
             while len(finals) < len(request_ids):

@@ -68,3 +68,35 @@ def hf_oracle(model_dirs):
         return cache[arch]
 
     return get
+
+
+HF_REPO_ID = "kvserve-test/tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def hf_cache(model_dirs, tmp_path_factory) -> dict[str, str]:
+    """A Hugging Face hub cache laid out by hand (as the hub's downloads leave it) holding the tiny llama
+    as ``HF_REPO_ID`` at one commit: ``{"cache": dir, "repo_id", "commit", "snapshot": dir}``."""
+    import hashlib
+    from pathlib import Path
+
+    cache = tmp_path_factory.mktemp("hf-hub")
+    commit = hashlib.sha1(HF_REPO_ID.encode()).hexdigest()
+    repo = cache / ("models--" + HF_REPO_ID.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    blobs = repo / "blobs"
+    blobs.mkdir(parents=True)
+    for file in sorted(Path(model_dirs["llama"]).rglob("*")):
+        if not file.is_file():
+            continue
+        data = file.read_bytes()
+        blob = blobs / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / file.relative_to(model_dirs["llama"])
+        link.parent.mkdir(parents=True, exist_ok=True)
+        ups = len(link.relative_to(repo / "snapshots").parts)  # from the link's directory up to the repo's
+        link.symlink_to(Path("../" * ups + "blobs") / blob.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    assert (snapshot / "config.json").read_bytes() == (Path(model_dirs["llama"]) / "config.json").read_bytes()
+    return {"cache": str(cache), "repo_id": HF_REPO_ID, "commit": commit, "snapshot": str(snapshot)}

@@ -181,3 +181,29 @@ def test_accelerator_type_means_gpu_engines_on_that_gpu_model():
     assert plan.bundles == [{"CPU": 0.5}, {"CPU": 0.5}, gpu_bundle, gpu_bundle]
     with pytest.raises(ValidationError, match="accelerator_type=L4 asks for a GPU but device is cpu: give one"):
         AppArgs(device="cpu", accelerator_type="L4")
+
+
+def test_model_as_a_repo_id_and_ray_serve_llm_model_loading_config(hf_cache, model_dirs, monkeypatch):
+    """`model` takes a Hugging Face repo id (here from a cache laid out by hand, offline), served under
+    the repo id; Ray Serve LLM's model_loading_config gives the source and the served name."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", hf_cache["cache"])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    ingress = build_app({"model": hf_cache["repo_id"]})._bound_deployment
+    model, served_name = ingress.init_args[1], ingress.init_args[2]
+    assert (model.source, model.path, served_name) == (hf_cache["repo_id"], hf_cache["snapshot"], hf_cache["repo_id"])
+    assert ingress.init_args[0]._bound_deployment.init_args[0].model.source == hf_cache["repo_id"]
+    directory = build_app({"model": model_dirs["llama"]})._bound_deployment
+    assert directory.init_args[1].source is None and directory.init_args[2] == "llama-tiny"
+
+    args = AppArgs.model_validate({"model_loading_config": {"model_id": "tiny-chat",
+                                                            "model_source": hf_cache["repo_id"]}})
+    assert (args.model, args.served_model_name) == (hf_cache["repo_id"], "tiny-chat")
+    assert build_app(args)._bound_deployment.init_args[2] == "tiny-chat"
+    with pytest.raises(ValidationError, match="model is given as 'a/b' and in model_loading_config as 'c/d': give it once"):
+        AppArgs.model_validate({"model": "a/b", "model_loading_config": {"model_source": "c/d"}})
+    with pytest.raises(ValidationError, match="model_loading_config: unknown key 'model_path'"):
+        AppArgs.model_validate({"model_loading_config": {"model_path": "x"}})
+    with pytest.raises(ValueError, match="'kvserve-test/absent' is not a directory, nor in the Hugging Face cache"):
+        build_app({"model": "kvserve-test/absent"})
