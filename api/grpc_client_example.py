@@ -1,6 +1,7 @@
 """A small KVServe gRPC client: prints the generated text as it arrives.
 
     python -m api.grpc_client_example --address localhost:9000 --prompt "Hello" [--stream] [--max-tokens N]
+        [--json-schema '{"type": "object", ...}' | --json-object | --regex RE | --choice A --choice B | --grammar G]
 
 Behind Ray Serve's gRPC proxy, ``--app NAME`` sends the ``application`` metadata the proxy uses to
 pick the application (needed when more than one is running); ``--api-key KEY`` (default: the
@@ -33,6 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                         help="the server's API key (default: $KVSERVE_API_KEY)")
     parser.add_argument("--request-id", default="", help="default: the server makes one")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", default=None, help="constrain the output to this JSON schema (its text)")
+    constraint.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    constraint.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
+    constraint.add_argument("--choice", action="append", default=None, help="a choice the output must be (repeat)")
+    constraint.add_argument("--grammar", default=None, help="constrain the output to this EBNF grammar (rule root)")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of the call, seconds")
     return parser.parse_args(argv)
 
@@ -45,6 +52,16 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         params.temperature = args.temperature
     if args.seed is not None:
         params.seed = args.seed
+    if args.json_schema is not None:
+        params.json_schema = args.json_schema
+    elif args.json_object:
+        params.json_object = True
+    elif args.regex is not None:
+        params.regex = args.regex
+    elif args.choice:
+        params.choice.choices.extend(args.choice)
+    elif args.grammar is not None:
+        params.grammar = args.grammar
     return pb.GenerateRequest(text=args.prompt, params=params, request_id=args.request_id)
 
 

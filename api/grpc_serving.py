@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -54,7 +55,7 @@ from api.engine_client import EngineClient, aclose_quietly, clean_message, root_
 from api.limits import check_float, check_int, check_ints
 from engine.core import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.messages import CompletionOutput, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,28 @@ def check_ranges(p: pb.SamplingParameters) -> None:
         check_float(name, getattr(p, name))
 
 
+def constraint_from_proto(p: pb.SamplingParameters) -> StructuredOutputsParams | None:
+    """The ``constraint`` oneof as the engine's constraint (None when unset, or ``json_object`` false).
+    ValueError for a schema that is not a JSON object's text and for an empty choice list; whether
+    the constraint compiles is the engine's to say, at admission."""
+    kind = p.WhichOneof("constraint")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(p.json_schema)
+        except ValueError as exc:
+            raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"json_schema must be a JSON schema (a JSON object), got {type(schema).__name__}")
+        return StructuredOutputsParams(json=schema)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True) if p.json_object else None
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(p.choice.choices))
+    if kind in ("regex", "grammar"):
+        return StructuredOutputsParams(**{kind: getattr(p, kind)})
+    return None
+
+
 def sampling_params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
     """Unset optional fields take the OpenAI defaults; ranges are checked (``check_ranges``), then
     SamplingParams validates the rest (ValueError)."""
@@ -96,6 +119,7 @@ def sampling_params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
         skip_special_tokens=_field(p, "skip_special_tokens", True), logprobs=_field(p, "logprobs", None),
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=_field(p, "repetition_penalty", 1.0), output_kind=RequestOutputKind.DELTA,
+        structured_outputs=constraint_from_proto(p),
     )
 
 

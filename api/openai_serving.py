@@ -135,10 +135,13 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(request_id, [prompt], params, req.cache_salt)
         usage = UsageCounter([prompt])
-        choices = self._chat_choices(streams, params, usage, self._tool_parser(req))
+        tool_parser = self._tool_parser(req)
+        choices = self._chat_choices(streams, params, usage, tool_parser)
         if req.stream:
-            return self._event_stream(self._chat_chunks(request_id, params.n, choices, usage, req.include_usage),
-                                      streams)
+            # with tools the opening delta carries no content: a message of calls only has none
+            chunks = self._chat_chunks(request_id, params.n, choices, usage, req.include_usage,
+                                       opening_content=None if tool_parser else "")
+            return self._event_stream(chunks, streams)
         merged: dict[int, ChatChoice] = {}
         with contextlib.closing(streams):
             async for delta in choices:
@@ -312,10 +315,11 @@ class OpenAIServing:
             yield CompletionStreamResponse(id=request_id, model=name, choices=[], usage=usage.info())
 
     async def _chat_chunks(self, request_id: str, n: int, choices: AsyncIterator[ChatStreamChoice],
-                           usage: UsageCounter, include_usage: bool) -> AsyncIterator[BaseModel]:
+                           usage: UsageCounter, include_usage: bool, opening_content: str | None = ""
+                           ) -> AsyncIterator[BaseModel]:
         name = self.served_model_name
         for index in range(n):  # every choice opens with the role
-            start = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            start = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=opening_content))
             yield ChatCompletionStreamResponse(id=request_id, model=name, choices=[start])
         async for choice in choices:
             if choice.delta.content or choice.delta.tool_calls or choice.finish_reason or choice.logprobs:
