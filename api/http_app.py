@@ -10,10 +10,12 @@ and create the serving object in its ``__init__``::
         def __init__(self, ...):
             self.serving = OpenAIServing(engine_client, tokenizer, name, max_model_len)
 
-Routes (the Bearer key, when ``api_key`` is set, guards all but /health, /metrics and /version):
+Routes (the Bearer key, when ``api_key`` is set, guards all but /health, /metrics, /version and
+the /dashboard page, which asks for the key itself):
 
     POST /v1/completions   POST /v1/chat/completions   GET /v1/models   GET /v1/models/{id}
     POST /tokenize         POST /detokenize            GET /health   GET /metrics   GET /version
+    GET /dashboard         GET /dashboard/data         (the live KV-cache map: api/dashboard.py)
 
 Every error has the OpenAI body ``{"error": {message, type, param, code}}``: malformed JSON and invalid
 fields → 400 (naming the field), a bad key → 401, ``OpenAIError`` → its status, anything else → 500.
@@ -34,6 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.dashboard import dashboard_data, dashboard_page
 from api.engine_client import OpenAIError
 from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from api.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -48,8 +51,11 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody rea
 
 
 def build_openai_app(get_serving: Callable[[], OpenAIServing], *, api_key: str | None = None,
-                     metrics_text: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
-    """The app. ``metrics_text`` supplies the Prometheus exposition served at /metrics (absent: 404).
+                     metrics_text: Callable[[], Awaitable[str]] | None = None,
+                     kv_map: Callable[[], Awaitable[dict]] | None = None) -> FastAPI:
+    """The app. ``metrics_text`` supplies the Prometheus exposition served at /metrics (absent: 404);
+    ``kv_map`` each engine replica's KV-map snapshot by replica (``engine.kv_map.KVMonitor.snapshot``),
+    served at /dashboard/data and drawn by /dashboard (absent: both 404).
 
     The routes are module-level functions that read these settings from ``app.state``: an app that
     Ray Serve pickles keeps them importable by name, with their annotations resolvable (a nested
@@ -57,6 +63,7 @@ def build_openai_app(get_serving: Callable[[], OpenAIServing], *, api_key: str |
     """
     app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM inference")
     app.state.get_serving, app.state.api_key, app.state.metrics_text = get_serving, api_key, metrics_text
+    app.state.kv_map = kv_map
     guarded = [Depends(require_api_key)]
     app.add_api_route("/v1/completions", create_completion, methods=["POST"], dependencies=guarded)
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], dependencies=guarded)
@@ -68,6 +75,9 @@ def build_openai_app(get_serving: Callable[[], OpenAIServing], *, api_key: str |
     app.add_api_route("/version", version, methods=["GET"])
     if metrics_text is not None:
         app.add_api_route("/metrics", metrics, methods=["GET"])
+    if kv_map is not None:
+        app.add_api_route("/dashboard", dashboard_page, methods=["GET"], include_in_schema=False)
+        app.add_api_route("/dashboard/data", dashboard_data, methods=["GET"], dependencies=guarded)
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -184,8 +194,8 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 def _field_path(loc: tuple) -> str:
     """``("body", "messages", 0, "content", "list[ContentPart]", 0, "text")`` → ``messages.0.content.0.text``:
-    the body prefix and pydantic's union-member tags dropped (fields are lower-case identifiers)."""
-    parts = loc[1:] if loc[:1] == ("body",) else loc
+    the body (or query) prefix and pydantic's union-member tags dropped (fields are lower-case identifiers)."""
+    parts = loc[1:] if loc[:1] in (("body",), ("query",)) else loc
     path = ".".join(str(p) for p in parts if not (isinstance(p, str) and (
         "[" in p or p in _UNION_TAGS or p[:1].isupper())))
     return path.encode("utf-8", "backslashreplace").decode("utf-8")  # a client's dict key may be any text
