@@ -177,7 +177,7 @@ def test_the_monitor_samples_the_engine_and_serves_history_since_a_time():
     sched.add_request(make_request("b", SYSTEM + [14], max_tokens=2))
     step(sched, runner)
     monitor.sample()  # t=102: b hits a's 12 tokens of its 13
-    snap = monitor.snapshot(fresh=True)
+    snap = monitor.snapshot()
     assert snap["history"] == {"period_s": 1.0, "window_s": 10.0, "t": [100.0, 101.0, 102.0],
                                "kv_usage": [0.0, round(4 / 39, 4), round(4 / 39, 4)],
                                "hit_rate": [None, 0.0, round(12 / 26, 4)], "running": [0, 1, 1],
@@ -200,16 +200,6 @@ def test_the_sampler_thread_samples_until_stopped():
     assert taken >= 4
     threading.Event().wait(0.1)
     assert len(monitor.history) == taken  # stopped: no more samples
-
-
-def test_snapshots_are_shared_briefly_unless_fresh():
-    sched, runner = make_scheduler(), FakeRunner()
-    monitor = KVMonitor(sched)
-    before = monitor.snapshot()
-    sched.add_request(make_request("a", SYSTEM + [13], max_tokens=5))
-    step(sched, runner)
-    assert monitor.snapshot()["grid"] == before["grid"] == "f39"  # within SNAPSHOT_REUSE_S
-    assert monitor.snapshot(fresh=True)["counts"]["used"] == 4
 
 
 # --- consistency and size --------------------------------------------------------------------------------
@@ -241,7 +231,7 @@ def test_every_snapshot_is_whole_while_steps_run():
         monitor = KVMonitor(sched, lock)
         shared_seen = 0
         for _ in range(150):
-            snap = monitor.snapshot(fresh=True)
+            snap = monitor.snapshot()
             states = rle_decode(snap["grid"])
             assert len(states) == snap["num_blocks"] == 119
             assert {name: states.count(code) for code, name in STATES.items()} == snap["counts"]
