@@ -471,9 +471,13 @@ class TokenizeRequest(OpenAIBaseModel):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # with messages: the tools the chat template renders
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: TemplateKwargs = None
+
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        return None if not self.tools else [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:

@@ -167,7 +167,7 @@ class OpenAIServing:
         self._check_model(req.model)
         if req.messages is not None:
             text = self._render_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
-                                     req.chat_template_kwargs)
+                                     req.chat_template_kwargs, req.tools_for_template())
             tokens = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens

@@ -196,10 +196,14 @@ def test_the_chat_template_gets_the_tools_and_the_calls_of_the_conversation(mode
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_openai_app(lambda: serving)),
                                      base_url="http://test") as http:
-            return await http.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS})
+            chat = await http.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS})
+            tokenized = await http.post("/tokenize", json={"messages": messages, "tools": TOOLS})
+            return chat, tokenized
 
-    response = run(main())
+    response, tokenized = run(main())
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "ok"
-    assert tokenizer.decode(engine.requests[-1][0], skip_special_tokens=False) == (
+    prompt = engine.requests[-1][0]
+    assert tokenizer.decode(prompt, skip_special_tokens=False) == (
         "<tool get_weather><tool get_time><user>Weather in Paris and the time?"
         "<assistant>(get_weather: Paris)<tool>sunny[call_7]<assistant>")
+    assert tokenized.json()["tokens"] == prompt  # /tokenize renders the tools too
