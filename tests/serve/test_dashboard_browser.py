@@ -1,7 +1,8 @@
 """/dashboard in a real headless browser (Debian's ``chromium``, driven over the DevTools protocol):
 the app served by uvicorn over a real engine with requests finished and three held in flight; the
-page asks for the key, then draws the map without a console error; the counts it shows (and the
-pixels it draws) match /metrics read at the same moment; a screenshot is written.
+page asks for the key (and asks again when it is refused, or takes it from the URL fragment), then
+draws the map without a console error; the counts it shows (and the pixels it draws) match /metrics
+read at the same moment; a screenshot is written.
 
 Needs ``chromium`` on PATH or in $CHROMIUM (Debian/Ubuntu: ``apt-get install chromium``); skipped
 without it. With $KVSERVE_SCREENSHOT_DIR set, the screenshot is also copied there as kv_map.png
@@ -96,9 +97,10 @@ class DevTools:
             assert time.monotonic() < deadline, f"timed out waiting for {what}; errors: {self.errors()}"
             time.sleep(0.05)
 
-    def errors(self) -> list[str]:
+    def errors(self, since: int = 0) -> list[str]:
+        """The errors among the events from the ``since``-th on."""
         found = []
-        for event in self.events:
+        for event in self.events[since:]:
             method, params = event.get("method"), event.get("params", {})
             if method == "Runtime.consoleAPICalled" and params["type"] in ("error", "assert"):
                 found.append("console: " + " ".join(str(a.get("value", a.get("description"))) for a in params["args"]))
@@ -109,8 +111,8 @@ class DevTools:
                 found.append(f"log ({params['entry']['source']}): {params['entry']['text']}")
         return found
 
-    def requested(self, fragment: str) -> list[str]:
-        return [e["params"]["request"]["url"] for e in self.events
+    def requested(self, fragment: str, since: int = 0) -> list[str]:
+        return [e["params"]["request"]["url"] for e in self.events[since:]
                 if e.get("method") == "Network.requestWillBeSent" and fragment in e["params"]["request"]["url"]]
 
     def close(self) -> None:
@@ -172,10 +174,15 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, prompts, monitor, r
             browser.wait_for("document.body.dataset.status === 'ok' && !document.getElementById('key-form').hidden",
                              "the page to ask for the key")
             asked_before_polling = not browser.requested("/dashboard/data")
-            browser.evaluate(f"document.getElementById('key-input').value = {json.dumps(API_KEY)};"
-                             "document.getElementById('key-form').requestSubmit()")
+            submit = "document.getElementById('key-input').value = {}; document.getElementById('key-form').requestSubmit()"
+            browser.evaluate(submit.format(json.dumps("sk-wrong")))
+            browser.wait_for("!document.getElementById('key-form').hidden && "
+                             "document.getElementById('key-why').textContent.includes('refused')", "the key refused")
+            refused = browser.errors()  # the browser logs the 401 itself
+            mark = len(browser.events)
+            browser.evaluate(submit.format(json.dumps(API_KEY)))
             browser.wait_for("Number(document.body.dataset.polls || 0) >= 2", "two polls")
-            polls = browser.requested("/dashboard/data")
+            polls = browser.requested("/dashboard/data", since=mark)
             dom = browser.evaluate(DOM_READ)
             metrics_text = httpx.get(f"{base}/metrics", timeout=30).text
             data = httpx.get(f"{base}/dashboard/data", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
@@ -184,14 +191,23 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, prompts, monitor, r
             time.sleep(0.3)  # one frame at the new size
             dom = browser.evaluate(DOM_READ)  # the layout is the same; the box is read again at this size
             png = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
-            errors = browser.errors()
+            errors = browser.errors(since=mark)
             # the capture sees what it must: a console error and an uncaught exception, made on purpose
             browser.evaluate("console.error('probe-console'); setTimeout(() => { throw new Error('probe-throw'); }, 0); 1")
             time.sleep(0.3)
             browser.evaluate("1")  # collect the events the probes raised
             probes = [e for e in browser.errors() if "probe-" in e]
+            # a fresh load with the key in the URL fragment (this tab's stored key cleared first)
+            browser.evaluate("sessionStorage.clear(); 1")
+            browser.call("Page.navigate", url="about:blank")
+            loaded = len(browser.events)
+            browser.call("Page.navigate", url=f"{base}/dashboard#key={API_KEY}")
+            browser.wait_for("Number(document.body.dataset.polls || 0) >= 1", "a poll with the fragment's key")
+            by_fragment = browser.evaluate("({hash: location.hash, shown: Number(document.querySelector("
+                                           "'[data-count=shared]').textContent), form: !document.getElementById('key-form').hidden})")
             return {"asked": asked_before_polling, "polls": polls, "dom": dom, "metrics": metrics_text, "data": data,
-                    "png": png, "errors": errors, "probes": probes}
+                    "png": png, "errors": errors, "probes": probes, "refused": refused, "by_fragment": by_fragment,
+                    "fragment_errors": browser.errors(since=loaded)}
         finally:
             browser.close()
 
@@ -229,6 +245,9 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, prompts, monitor, r
     assert seen["errors"] == [], seen["errors"]
     assert len(seen["probes"]) == 2, seen["probes"]  # the console capture works
     assert seen["asked"], "the page polled before it had the key"
+    assert len(seen["refused"]) == 1 and "401" in seen["refused"][0], seen["refused"]
+    assert seen["fragment_errors"] == [], seen["fragment_errors"]
+    assert seen["by_fragment"]["hash"] == "" and not seen["by_fragment"]["form"]  # the key left the address bar
     first, second = seen["polls"][:2]
     assert "since=" not in first and "since=" in second and "known=" in second  # later polls are incremental
 
@@ -243,6 +262,7 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, prompts, monitor, r
     assert dom["hitRate"] == metric(metrics_text, "kvserve:prefix_cache_hit_rate") > 0
     assert dom["kvUsage"] == metric(metrics_text, "kvserve:kv_cache_usage_perc") > 0
     assert all(shown[state] > 0 for state in COLOURS), shown  # every state on the map
+    assert seen["by_fragment"]["shown"] == shown["shared"]
     top = dom["rows"][0]
     assert top[1:4] == [str(300 // 16), str(300 // 16 * 16), "3"]  # 18 blocks, 288 tokens, 3 requests
     assert dom["usagePath"].startswith("M") and "L" in dom["usagePath"]
