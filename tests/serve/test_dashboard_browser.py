@@ -5,7 +5,7 @@ draws the map without a console error; the counts it shows (and the pixels it dr
 read at the same moment; a screenshot is written.
 
 Needs ``chromium`` on PATH or in $CHROMIUM (Debian/Ubuntu: ``apt-get install chromium``); skipped
-without it. With $KVSERVE_SCREENSHOT_DIR set, the screenshot is also copied there as kv_map.png
+without it, unless KVSERVE_REQUIRE_CHROMIUM=1 (CI), where its absence fails the test. With $KVSERVE_SCREENSHOT_DIR set, the screenshot is also copied there as kv_map.png
 (``KVSERVE_SCREENSHOT_DIR=docs/images`` refreshes the one in the docs)."""
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from tests.serve.openai_harness import MODEL, REPLICA, llm, model_dir, prompts, 
 from tests.serve.serve_harness import free_port
 
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="needs Debian's chromium on PATH or in $CHROMIUM (apt-get install chromium)")
+NO_CHROMIUM = "needs Debian's chromium on PATH or in $CHROMIUM (apt-get install chromium)"
+# CI sets KVSERVE_REQUIRE_CHROMIUM=1: there a missing browser fails the test instead of skipping it
+pytestmark = pytest.mark.skipif(CHROMIUM is None and os.environ.get("KVSERVE_REQUIRE_CHROMIUM") != "1",
+                                reason=NO_CHROMIUM)
 
 # the page's state colours (api/static/dashboard.html's --free, --cached, --used, --shared)
 COLOURS = {"free": (0xE3, 0xE7, 0xEE), "cached": (0x7F, 0xB2, 0xE5), "used": (0xF0, 0xA0, 0x4B),
@@ -160,6 +162,8 @@ DOM_READ = """(() => {
 
 def test_the_page_in_chromium_matches_metrics(dash_app, llm, prompts, monitor, run, tmp_path):
     import uvicorn
+
+    assert CHROMIUM is not None, f"KVSERVE_REQUIRE_CHROMIUM=1: {NO_CHROMIUM}"
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
