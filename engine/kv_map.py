@@ -154,16 +154,20 @@ def host_tier_usage(tier) -> dict | None:
 
 
 class KVHistory:
-    """A ring of samples (time, KV usage, windowed hit rate, running, waiting), oldest first."""
+    """A ring of samples (time, KV usage, windowed hit rate, running, waiting, host-tier usage),
+    oldest first."""
 
     def __init__(self, capacity: int = HISTORY_SAMPLES, window_s: float = HIT_RATE_WINDOW_S) -> None:
         self.window_s = window_s
-        self._samples: deque[tuple] = deque(maxlen=capacity)  # (t, usage, hit rate or None, running, waiting)
+        # (t, usage, hit rate or None, running, waiting, host-tier usage or None)
+        self._samples: deque[tuple] = deque(maxlen=capacity)
         self._counters: deque[tuple[float, int, int]] = deque()  # (t, queries, hits) within the window
 
-    def record(self, t: float, usage: float, queries: int, hits: int, running: int, waiting: int) -> None:
+    def record(self, t: float, usage: float, queries: int, hits: int, running: int, waiting: int,
+               host_usage: float | None = None) -> None:
         """One sample. The hit rate is that of the prompt tokens looked up in the last ``window_s``
-        (None when none were), from the cumulative ``queries`` and ``hits``."""
+        (None when none were), from the cumulative ``queries`` and ``hits``; ``host_usage`` the host
+        tier's share in use (None without a tier)."""
         counters = self._counters
         while len(counters) > 1 and counters[1][0] <= t - self.window_s:
             counters.popleft()  # the base is the latest sample at least window_s old (else the oldest)
@@ -171,7 +175,7 @@ class KVHistory:
         counters.append((t, queries, hits))
         d_queries, d_hits = queries - base[1], hits - base[2]
         rate = d_hits / d_queries if d_queries > 0 else None
-        self._samples.append((t, usage, rate, running, waiting))
+        self._samples.append((t, usage, rate, running, waiting, host_usage))
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -185,6 +189,7 @@ class KVHistory:
             "hit_rate": [None if r[2] is None else round(r[2], 4) for r in rows],
             "running": [r[3] for r in rows],
             "waiting": [r[4] for r in rows],
+            "host_usage": [None if r[5] is None else round(r[5], 4) for r in rows],
         }
 
 
@@ -213,8 +218,10 @@ class KVMonitor:
         sched = self.scheduler
         with self.lock:
             stats = sched.stats
+            tier = host_tier_usage(host_tier_of(sched))
             values = (sched.kv.block_pool.usage, stats.prefix_cache_queries, stats.prefix_cache_hits,
-                      len(sched.running), len(sched.waiting))
+                      len(sched.running), len(sched.waiting),
+                      tier["num_used"] / tier["num_blocks"] if tier and tier["num_blocks"] else None)
         with self._history_lock:
             self.history.record(self.clock(), *values)
 

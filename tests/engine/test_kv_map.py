@@ -160,7 +160,7 @@ def test_the_hit_rate_of_each_sample_covers_the_last_window():
     assert len(history) == 4  # the ring dropped t=0
     assert history.columns() == {"t": [1.0, 5.0, 12.0, 13.0], "kv_usage": [0.25, 0.5, 0.5, 0.75],
                                  "hit_rate": [0.5, 0.5, None, 1.0], "running": [1, 1, 0, 2],
-                                 "waiting": [2, 0, 0, 0]}
+                                 "waiting": [2, 0, 0, 0], "host_usage": [None] * 4}
     assert history.columns(since=5.0)["t"] == [12.0, 13.0]
     assert history.columns(since=13.0)["t"] == []
 
@@ -181,7 +181,7 @@ def test_the_monitor_samples_the_engine_and_serves_history_since_a_time():
     assert snap["history"] == {"period_s": 1.0, "window_s": 10.0, "t": [100.0, 101.0, 102.0],
                                "kv_usage": [0.0, round(4 / 39, 4), round(4 / 39, 4)],
                                "hit_rate": [None, 0.0, round(12 / 26, 4)], "running": [0, 1, 1],
-                               "waiting": [0, 0, 0]}
+                               "waiting": [0, 0, 0], "host_usage": [None] * 3}
     assert monitor.snapshot(since=101.0)["history"]["t"] == [102.0]
 
 

@@ -153,7 +153,7 @@ DOM_READ = """(() => {
   return {replica: section.dataset.replica, counts, running: Number(section.dataset.running),
           waiting: Number(section.dataset.waiting), hitRate: Number(section.dataset.hitRate),
           kvUsage: Number(section.dataset.kvUsage), rows,
-          usagePath: section.querySelector('svg[data-series=kv_usage] path.value').getAttribute('d'),
+          usagePath: section.querySelector('svg[data-series=kv_usage] path.value:not(.second)').getAttribute('d'),
           hostShown: section.querySelector('li[data-state=host]').offsetParent !== null,
           box: {x: box.x + scrollX, y: box.y + scrollY, width: box.width, height: box.height},
           height: document.documentElement.scrollHeight};
