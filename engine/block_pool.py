@@ -14,7 +14,7 @@ is ordered for eviction, least recently freed at the head::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.block_hash import BlockHash
 
@@ -100,6 +100,9 @@ class BlockPool:
         self.cached: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.num_cached_blocks = 0
         self.num_evictions = 0
+        # called with a cached block about to be evicted (hash and token ids still set): the host
+        # tier's chance to copy it out
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -188,6 +191,8 @@ class BlockPool:
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.on_evict is not None and block.block_hash is not None:
+            self.on_evict(block)
         if self._forget(block):
             self.num_evictions += 1
 

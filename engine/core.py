@@ -53,7 +53,10 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.num_kv_blocks = num_blocks
+        kv_info = self.executor.kv_cache_info()  # the host tier's size is the ranks' (bytes -> blocks)
         self.scheduler = Scheduler(
+            num_host_kv_blocks=kv_info.get("num_host_kv_blocks", 0),
+            host_kv_block_bytes=kv_info.get("kv_bytes_per_block_per_rank", 0) * config.parallel.tensor_parallel_size,
             num_kv_blocks=num_blocks,
             block_size=config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
@@ -366,6 +369,7 @@ class EngineCore:
                 "request_generation_tokens": self.outputs.finished.generation_tokens.as_dict(),
             },
             **self.executor.kv_cache_info(),
+            **sched.kv.host_tier_stats(),
         }
 
     def _waste_now(self) -> float:

@@ -1,16 +1,32 @@
-"""Per-request block tables on top of the block pool: prefix hits, slot allocation, freeing."""
+"""Per-request block tables on top of the block pool: prefix hits, slot allocation, freeing; and,
+with a host tier, which evicted blocks are copied out and which tier hits are copied back."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool, KVCacheBlock
+from engine.host_tier import HostTierIndex, TierEntry
+from engine.metrics import HostTierStats
 from engine.request import Request
+
+
+@dataclass(frozen=True)
+class TierCopy:
+    """One copy between the pool and the host tier, as the scheduler recorded it (undone with its step)."""
+
+    offload: bool  # pool -> tier; else tier -> pool (a restore)
+    block: KVCacheBlock
+    entry: TierEntry
 
 
 class KVCacheManager:
     """Owns ``req_to_blocks``: request id -> its block table (block i holds tokens
     [i * block_size, (i + 1) * block_size)). Every block in a table holds one reference."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_host_blocks: int = 0,
+                 host_block_bytes: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -18,6 +34,16 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of a table already in the map
         # blocks this step's plan entered into the prefix cache: their KV exists once the step has run
         self._step_cached: list[KVCacheBlock] = []
+        # the host tier (None when off): its index, the copies recorded but not yet sent to the ranks
+        # (a step with no tokens is not sent; they go with the next), and those of the step in flight
+        self.host_tier = HostTierIndex(num_host_blocks) if num_host_blocks and enable_caching else None
+        self.host_block_bytes = host_block_bytes  # one block over every rank
+        self.tier_stats = HostTierStats()
+        self._pending_copies: list[TierCopy] = []
+        self._sent_copies: list[TierCopy] = []
+        self._restoring: set[int] = set()  # pool blocks a pending restore will fill
+        if self.host_tier is not None:
+            self.block_pool.on_evict = self._offload
 
     @property
     def usage(self) -> float:
@@ -38,7 +64,94 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.host_tier is not None and len(hits) < max_blocks:
+            hits = self._continue_in_tier(request, hits, max_blocks)
         return hits, len(hits) * self.block_size
+
+    # --- the host tier ----------------------------------------------------------------------------
+
+    def _continue_in_tier(self, request: Request, hits: list[KVCacheBlock], max_blocks: int) -> list[KVCacheBlock]:
+        """Extend a prefix hit past the pool: block by block, the pool first, then the tier, whose hit
+        is restored into a fresh pool block that enters the prefix cache at once (its copy runs
+        before the next forward). The chain is held while it grows, so the blocks taken for the
+        restores never evict a block of it; then it is released tail first, as a request frees.
+        Restores stop where the free blocks could not hold the rest of the request: a request that
+        cannot be scheduled would only churn the pool (and its restored blocks could be evicted
+        before it runs)."""
+        pool, tier = self.block_pool, self.host_tier
+        num_blocks = -(-request.num_tokens // self.block_size)
+        pool.touch(hits)
+        try:
+            for i in range(len(hits), max_blocks):
+                block_hash, token_ids = request.block_hashes[i], request.block_token_ids(i)
+                block = pool.get_cached_block(block_hash, token_ids)
+                if block is not None:
+                    pool.touch([block])
+                    hits.append(block)
+                    continue
+                self.tier_stats.queries += 1
+                entry = tier.lookup(block_hash, token_ids)
+                if entry is None or pool.num_free_blocks < num_blocks - len(hits):
+                    break
+                tier.pin(entry.slot)  # before the eviction below, whose offload must not take this slot
+                block = pool.get_new_blocks(1)[0]  # may evict (and offload) another block
+                pool.cache_block(block, block_hash, token_ids)
+                self._pending_copies.append(TierCopy(False, block, entry))
+                self._restoring.add(block.block_id)
+                self.tier_stats.hits += 1
+                hits.append(block)
+        finally:
+            pool.free_blocks(reversed(hits))
+        return hits
+
+    def _offload(self, block: KVCacheBlock) -> None:
+        """The pool is about to evict ``block`` (cached, so full and computed): copy it out unless the
+        tier already holds it, another pool block holds the same, or a restore into it is pending."""
+        block_hash: BlockHash = block.block_hash
+        if (len(self.block_pool.cached.get(block_hash, ())) > 1 or block.block_id in self._restoring
+                or block_hash in self.host_tier):
+            return
+        entry = self.host_tier.insert(block_hash, block.token_ids)
+        if entry is None:
+            return  # every slot has a copy in flight
+        self.host_tier.pin(entry.slot)
+        self._pending_copies.append(TierCopy(True, block, entry))
+        self.tier_stats.offloaded += 1
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies the step being sent must run before its forward: (pool block, slot) offloads,
+        then (slot, pool block) restores. They count as in flight until the next step is planned."""
+        copies, self._pending_copies = self._pending_copies, []
+        self._sent_copies.extend(copies)
+        self._restoring.clear()
+        return ([(c.block.block_id, c.entry.slot) for c in copies if c.offload],
+                [(c.entry.slot, c.block.block_id) for c in copies if not c.offload])
+
+    def _settle_sent_copies(self) -> None:
+        for copy in self._sent_copies:
+            self.host_tier.unpin(copy.entry.slot)
+        self._sent_copies.clear()
+
+    def _undo_sent_copies(self) -> None:
+        """The step that carried these copies did not run (or not whole): tier entries it was to
+        write are forgotten, pool blocks it was to fill leave the prefix cache."""
+        for copy in reversed(self._sent_copies):
+            if copy.offload:
+                if self.host_tier.remove(copy.entry):
+                    self.tier_stats.offloaded -= 1
+            else:
+                self.host_tier.unpin(copy.entry.slot)
+                self.tier_stats.hits -= 1
+                if copy.block.block_hash == copy.entry.block_hash:
+                    self.block_pool.uncache_block(copy.block)
+        self._sent_copies.clear()
+
+    def host_tier_stats(self) -> dict:
+        """The tier's ``stats()`` keys (zeros and an empty tier when there is none)."""
+        tier = self.host_tier
+        return self.tier_stats.as_stats(self.block_size, self.host_block_bytes,
+                                        tier.num_slots if tier else 0, tier.num_resident if tier else 0,
+                                        tier.num_evictions if tier else 0)
 
     def get_forkable_blocks(self, request: Request, source: Request) -> tuple[list[KVCacheBlock], int]:
         """Full prompt blocks of ``source`` (a sibling with the same prompt, already computed) that
@@ -89,15 +202,21 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def begin_step(self) -> None:
-        """A new step is being planned: the blocks the last one cached are computed now."""
+        """A new step is being planned: the blocks the last one cached are computed now (and the
+        tier copies it carried have run)."""
         self._step_cached.clear()
+        if self.host_tier is not None:
+            self._settle_sent_copies()
 
     def rollback_step(self) -> None:
         """The step being planned did not run: forget every block it entered into the prefix cache
-        (their KV was never written), so no later request can hit them."""
+        (their KV was never written), so no later request can hit them; and the tier copies it
+        carried (an entry it was to write, a block it was to restore)."""
         for block in self._step_cached:
             self.block_pool.uncache_block(block)
         self._step_cached.clear()
+        if self.host_tier is not None:
+            self._undo_sent_copies()
 
     def uncompute(self, request: Request) -> None:
         """``request`` computed fewer tokens than planned: re-enter the blocks past its computed ones
@@ -116,8 +235,21 @@ class KVCacheManager:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        """Forget the prefix cache, the host tier's index with it (refused while blocks are in use)."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.host_tier is not None:
+            self.host_tier.clear()
+            self._pending_copies.clear()
+            self._sent_copies.clear()
+            self._restoring.clear()
+        return True
 
     def cached_hash_digest(self, limit: int) -> bytes:
-        """Up to ``limit`` cached block hashes, most recently used first, 8 bytes each, concatenated."""
-        return b"".join(h[:8] for h in self.block_pool.hashes_by_recency(limit))
+        """Up to ``limit`` cached block hashes, 8 bytes each, concatenated: the pool's, most recently
+        used first, then those only the host tier holds, most recently used first."""
+        hashes = self.block_pool.hashes_by_recency(limit)
+        if self.host_tier is not None and len(hashes) < limit:
+            seen = set(hashes)
+            hashes += [h for h in self.host_tier.hashes_by_recency(limit) if h not in seen][:limit - len(hashes)]
+        return b"".join(h[:8] for h in hashes)

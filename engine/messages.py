@@ -43,6 +43,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished, aborted or preempted since the last step: drop their state
+    # host KV tier copies every rank runs before the forward, in this order: (pool block, tier slot)
+    # offloads (the block may be rewritten in this step), then (tier slot, pool block) restores
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    kv_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -64,6 +64,33 @@ class SchedulerStats:
 
 
 @dataclass
+class HostTierStats:
+    """The host KV tier's counters, in blocks: lookups that reached the tier (a pool miss), hits
+    restored from it, blocks copied out. A step that is undone takes its own back."""
+
+    queries: int = 0  # blocks looked up in the tier after missing the pool
+    hits: int = 0  # of those, blocks found and restored into the pool
+    offloaded: int = 0  # blocks copied out of the pool into the tier
+
+    def as_stats(self, block_size: int, block_bytes: int, num_slots: int, num_resident: int,
+                 num_evictions: int) -> dict:
+        """The ``stats()`` keys: tokens for queries and hits (as the prefix cache counts), bytes over
+        every rank for the copies."""
+        return {
+            "host_kv_cache_queries": self.queries * block_size,
+            "host_kv_cache_hits": self.hits * block_size,
+            "host_kv_cache_hit_blocks": self.hits,
+            "host_kv_cache_offloaded_blocks": self.offloaded,
+            "host_kv_cache_evictions": num_evictions,
+            "kv_offload_bytes": self.offloaded * block_bytes,
+            "kv_restore_bytes": self.hits * block_bytes,
+            "host_kv_cache_blocks": num_slots,
+            "host_kv_cache_blocks_used": num_resident,
+            "host_kv_cache_usage": num_resident / num_slots if num_slots else 0.0,
+        }
+
+
+@dataclass
 class RequestStats:
     """Finished requests, one per sample as vLLM counts its n > 1 children: how each ended (stop,
     length, abort) and its prompt and generated token counts. Samples that ended in an error are

@@ -36,8 +36,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        num_host_kv_blocks: int = 0,
+        host_kv_block_bytes: int = 0,
     ) -> None:
-        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching, num_host_kv_blocks,
+                                 host_kv_block_bytes)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -125,8 +128,9 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self._dropped_ids,
         )
-        if num_scheduled:  # an empty step is not sent: keep the ids for the next one
+        if num_scheduled:  # an empty step is not sent: keep the ids (and the tier copies) for the next one
             self._dropped_ids = set()
+            output.kv_offloads, output.kv_restores = self.kv.take_tier_copies()
         for request_id, n in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += n
         self._track_kv_peak()

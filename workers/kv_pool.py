@@ -1,5 +1,6 @@
 """This rank's shard of the paged KV pool: one (k_pool, v_pool) pair per layer, each
-[num_blocks, block_size, num_kv_heads_per_rank, head_dim], carved from one allocation."""
+[num_blocks, block_size, num_kv_heads_per_rank, head_dim], carved from one allocation; and this
+rank's shard of the host KV tier (``HostKVTier``), when there is one."""
 
 from __future__ import annotations
 
@@ -37,3 +38,46 @@ def allocate_kv_pool(spec: KVPoolSpec, num_blocks: int, device: torch.device) ->
     else:
         pool = torch.zeros(shape, dtype=spec.dtype, device=device)
     return [(pool[layer, 0], pool[layer, 1]) for layer in range(spec.num_layers)]
+
+
+class HostKVTier:
+    """This rank's shard of the host KV tier: ``num_slots`` blocks shaped like the pool's, in host
+    memory (pinned on CUDA), [num_layers, 2, num_slots, block_size, num_kv_heads, head_dim]. The
+    scheduler's index (``engine.host_tier``) decides which slot holds what; this only copies.
+    Copies are plain (synchronous) ones, layer by layer, all blocks of a step at once."""
+
+    def __init__(self, spec: KVPoolSpec, num_slots: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_slots = num_slots
+        self.device = device
+        shape = (spec.num_layers, 2, num_slots, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # never read before written: no need to zero (pages are touched as slots fill)
+        self.buffer = torch.empty(shape, dtype=spec.dtype, pin_memory=device.type == "cuda")
+
+    @property
+    def num_bytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def _indices(self, block_ids: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if max(slots) >= self.num_slots or min(slots) < 0:
+            raise IndexError(f"host KV tier slot out of range [0, {self.num_slots})")
+        return (torch.tensor(block_ids, dtype=torch.long, device=self.device),
+                torch.tensor(slots, dtype=torch.long))
+
+    def offload(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]]) -> None:
+        """(pool block, slot) pairs: the blocks' K/V of every layer into the slots."""
+        if not copies:
+            return
+        blocks, slots = self._indices([b for b, _ in copies], [s for _, s in copies])
+        for layer, (k, v) in enumerate(kv_caches):
+            self.buffer[layer, 0].index_copy_(0, slots, k.index_select(0, blocks).to("cpu"))
+            self.buffer[layer, 1].index_copy_(0, slots, v.index_select(0, blocks).to("cpu"))
+
+    def restore(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]]) -> None:
+        """(slot, pool block) pairs: the slots' K/V of every layer into the pool blocks."""
+        if not copies:
+            return
+        blocks, slots = self._indices([b for _, b in copies], [s for s, _ in copies])
+        for layer, (k, v) in enumerate(kv_caches):
+            k.index_copy_(0, blocks, self.buffer[layer, 0].index_select(0, slots).to(self.device))
+            v.index_copy_(0, blocks, self.buffer[layer, 1].index_select(0, slots).to(self.device))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 from workers.allocator import tune_malloc
+from workers.kv_pool import HostKVTier
 from workers.model_runner import ModelRunner
 from workers.parallel_state import TPGroup
 
@@ -54,6 +55,7 @@ class Worker:
         self.dtype = resolve_dtype(config.model.dtype, config.model.hf_config, self.device)
         self.tp = TPGroup()
         self.runner: ModelRunner | None = None
+        self.host_tier: HostKVTier | None = None
         self._memory_at_start: tuple[int, int] | None = None  # CUDA (free, total) before loading
 
     def init_device(self) -> None:
@@ -107,17 +109,31 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
+        num_host = self.config.cache.host_kv_blocks_for(self.runner.kv_spec.bytes_per_block)
+        self.host_tier = HostKVTier(self.runner.kv_spec, num_host, self.device) if num_host else None
         if self.device.type == "cpu" and self.runner.attention_backend.name != "triton":
             self.runner.warm_up()  # (Triton on a CPU device is its interpreter: tests, nothing to warm)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if scheduler_output.kv_offloads or scheduler_output.kv_restores:
+            self.run_tier_copies(scheduler_output.kv_offloads, scheduler_output.kv_restores)
         return self.runner.execute_model(scheduler_output)
+
+    def run_tier_copies(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
+        """The step's host-tier copies, before its forward: offloads first (an evicted block may be
+        rewritten in this step), then restores (a block offloaded in this step may come back in it)."""
+        if self.host_tier is None:
+            raise RuntimeError("the step carries host KV tier copies, but this rank has no host tier")
+        self.host_tier.offload(self.runner.kv_caches, offloads)
+        self.host_tier.restore(self.runner.kv_caches, restores)  # on the stream the forward then uses
 
     def kv_cache_info(self) -> dict:
         spec = self.runner.kv_spec
         return {
             "kv_bytes_per_block_per_rank": spec.bytes_per_block,
             "kv_pool_bytes_per_rank": spec.bytes_per_block * getattr(self, "num_kv_blocks", 0),
+            "num_host_kv_blocks": self.host_tier.num_slots if self.host_tier is not None else 0,
+            "host_kv_bytes_per_rank": self.host_tier.num_bytes if self.host_tier is not None else 0,
             "kv_heads_per_rank": spec.num_kv_heads,
             "kv_heads_replicated": spec.kv_heads_replicated,
             "dtype": str(self.dtype).removeprefix("torch."),
