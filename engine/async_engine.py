@@ -37,6 +37,7 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self._sinks: dict[str, Sink] = {}
         self._commands: list[tuple] = []
+        self._compiling = 0  # admitted requests whose grammar is still compiling (not yet queued)
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
@@ -66,8 +67,34 @@ class AsyncLLM:
         if self.max_waiting_requests is not None and self.num_waiting_requests >= self.max_waiting_requests:
             raise EngineOverloadedError(f"{self.num_waiting_requests} requests are already waiting "
                                         f"(max_waiting_requests={self.max_waiting_requests}); retry later")
+        command = ("add", request_id, text, token_ids, params, cache_salt, None)
+        if params.structured_outputs is not None:
+            # compiled on the engine's grammar threads; the request is queued once its grammar is ready
+            # (a new schema never stalls the step loop), at once on a cache hit
+            future = self.core.structured_outputs.compile_async(params.structured_outputs)
+            if future.done():
+                command = command[:-1] + (future.result(),)  # a constraint that does not compile raises here
+            else:
+                self._sinks[request_id] = sink
+                self._compiling += 1
+                loop = asyncio.get_running_loop()
+                future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, command, f))
+                return
         self._sinks[request_id] = sink
-        self._submit(("add", request_id, text, token_ids, params, cache_salt))
+        self._submit(command)
+
+    def _compiled(self, command: tuple, future) -> None:
+        """A grammar finished compiling (on the event loop): queue its request, or refuse it."""
+        self._compiling -= 1
+        request_id = command[1]
+        if request_id not in self._sinks:
+            return  # aborted meanwhile
+        exc = future.exception()
+        if exc is not None:
+            self._deliver(request_id, exc if isinstance(exc, ValueError) else
+                          ValueError(f"the structured output constraint could not be compiled: {exc}"))
+            return
+        self._submit(command[:-1] + (future.result(),))
 
     async def generate(
         self,
@@ -91,6 +118,7 @@ class AsyncLLM:
                     nxt = queue.get_nowait()  # the reader fell behind: hand over one merged delta
                     item = nxt if isinstance(nxt, BaseException) else merge_outputs(item, nxt, output_kind)
                 if isinstance(item, BaseException):
+                    finished = True  # the engine ended it (refused or failed it): nothing to abort
                     raise item
                 finished = item.finished
                 yield item
@@ -107,7 +135,7 @@ class AsyncLLM:
         """Admitted requests that will have to wait: those not running yet (queued here or in the
         scheduler) beyond the free places of the running batch."""
         scheduler = self.core.scheduler
-        adds = sum(1 for c in self._commands if c[0] == "add")
+        adds = sum(1 for c in self._commands if c[0] == "add") + self._compiling
         free = max(0, scheduler.max_num_seqs - len(scheduler.running))
         return max(0, adds + len(scheduler.waiting) - free)
 
@@ -138,11 +166,12 @@ class AsyncLLM:
         commands, self._commands = self._commands, []
         for command in commands:
             if command[0] == "add":
-                _, request_id, text, token_ids, params, cache_salt = command
+                _, request_id, text, token_ids, params, cache_salt, grammar = command
                 if request_id not in self._sinks:
                     continue  # aborted before it started
                 try:
-                    self.core.add_processed_request(request_id, text, token_ids, params, cache_salt=cache_salt)
+                    self.core.add_processed_request(request_id, text, token_ids, params, cache_salt=cache_salt,
+                                                    grammar=grammar)
                 except ValueError as exc:
                     self._deliver(request_id, exc)
             else:

@@ -21,6 +21,7 @@ from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,11 @@ class EngineCore:
             raise
         self.num_kv_blocks = num_blocks
         kv_info = self.executor.kv_cache_info()  # the host tier's size is the ranks' (bytes -> blocks)
+        # constrained decoding: grammars compiled off the step loop, matchers and bitmasks beside the scheduler
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
+                                                          config.model.eos_token_ids)
         self.scheduler = Scheduler(
+            structured_outputs=self.structured_outputs,
             num_host_kv_blocks=kv_info.get("num_host_kv_blocks", 0),
             host_kv_block_bytes=kv_info.get("kv_bytes_per_block_per_rank", 0) * config.parallel.tensor_parallel_size,
             num_kv_blocks=num_blocks,
@@ -157,14 +162,21 @@ class EngineCore:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        grammar=None,
     ) -> None:
         """Add a request whose prompt went through ``process_inputs``. ``n`` > 1 becomes n sibling
-        requests that share the prompt's blocks once the first has computed them."""
+        requests that share the prompt's blocks once the first has computed them. A constrained
+        request's grammar is compiled first (outside the lock; ``grammar``: already compiled, by
+        ``structured_outputs.compile_async``); one that does not compile raises ValueError."""
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None and grammar is None:
+            self.check_sampling_params(params)
+            grammar = self.structured_outputs.compile(params.structured_outputs)
         with self.lock:
-            self._add_processed_request(request_id, prompt, prompt_token_ids, params, cache_salt, arrival_time)
+            self._add_processed_request(request_id, prompt, prompt_token_ids, params, cache_salt, arrival_time,
+                                        grammar)
 
     def _add_processed_request(self, request_id, prompt, prompt_token_ids, params, cache_salt,
-                               arrival_time) -> None:
+                               arrival_time, grammar=None) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"a request id must be a non-empty string, got {request_id!r}")
         if request_id in self.outputs.requests:
@@ -188,6 +200,8 @@ class EngineCore:
                 fork_source=first,
             )
             first = first or request
+            if params.structured_outputs is not None:
+                request.grammar = self.structured_outputs.new_matcher(grammar)
             self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -245,6 +259,14 @@ class EngineCore:
             request_outputs, stopped = self.outputs.process(core_outputs)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            for sample_id in self.scheduler.take_grammar_failures():
+                request_id = self.outputs.request_id_of(sample_id)
+                if request_id is None:
+                    self.scheduler.finish_requests([sample_id], RequestStatus.FINISHED_ERROR)
+                    continue
+                output = self._fail_request(request_id, "its grammar rejected a sampled token")
+                if output is not None:
+                    request_outputs.append(output)
             for request_id, kind in self.outputs.take_failed().items():
                 output = self._fail_request(request_id, kind)
                 if output is not None:
@@ -381,4 +403,5 @@ class EngineCore:
             return self.scheduler.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.executor.shutdown()

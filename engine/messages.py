@@ -43,6 +43,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished, aborted or preempted since the last step: drop their state
+    # constrained decoding: row i of ``grammar_bitmask`` (the structured output backend's token
+    # bitmask, opaque to the engine) holds the tokens ``grammar_req_ids[i]`` may sample this step
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: object | None = None  # None when no request that samples this step is constrained
     # host KV tier copies every rank runs before the forward, in this order: (pool block, tier slot)
     # offloads (the block may be rewritten in this step), then (tier slot, pool block) restores
     kv_offloads: list[tuple[int, int]] = field(default_factory=list)

@@ -79,6 +79,9 @@ class Request:
         # what the workers hold of this request (the scheduler sends only what is new)
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
+        # constrained decoding: this sample's grammar matcher (opaque, from the structured output
+        # backend), advanced with every accepted token; None when unconstrained or once finished
+        self.grammar = None
 
         self._block_size = block_size
         self.block_hashes: list[BlockHash] = hash_blocks(self.all_token_ids, block_size, cache_salt)

@@ -38,6 +38,7 @@ class Scheduler:
         max_model_len: int,
         num_host_kv_blocks: int = 0,
         host_kv_block_bytes: int = 0,
+        structured_outputs=None,
     ) -> None:
         self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching, num_host_kv_blocks,
                                  host_kv_block_bytes)
@@ -51,6 +52,11 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._dropped_ids: set[str] = set()  # finished or preempted since the last step
         self._step_started: list[Request] = []  # requests the step being planned took from the queue
+        # constrained decoding (engine.structured_output.StructuredOutputManager): unfinished
+        # constrained requests, counted so that a step without any pays nothing
+        self.structured_outputs = structured_outputs
+        self.num_constrained = 0
+        self.grammar_failures: list[str] = []  # samples whose grammar rejected a sampled token
 
     # --- requests in and out -------------------------------------------------------------------
 
@@ -59,6 +65,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.grammar is not None:
+            self.num_constrained += 1
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string); frees their blocks."""
@@ -133,6 +141,8 @@ class Scheduler:
             output.kv_offloads, output.kv_restores = self.kv.take_tier_copies()
         for request_id, n in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += n
+        if self.num_constrained:
+            self._fill_grammar_bitmask(output)
         self._track_kv_peak()
         return output
 
@@ -287,9 +297,15 @@ class Scheduler:
             request = self.requests.get(request_id)
             if not sampled or request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if request.grammar is not None and not self.structured_outputs.accept(request, sampled):
+                self.grammar_failures.append(request_id)  # the engine fails it alone
+                continue
             request.append_output_token_ids(sampled)
             self.stats.num_generation_tokens += len(sampled)
-            status = self._check_stop(request)
+            if request.grammar is not None and self.structured_outputs.is_terminated(request):
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+            else:
+                status = self._check_stop(request)
             if status is not None:
                 self._finish(request, status)
                 any_finished = True
@@ -318,8 +334,26 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
+    def take_grammar_failures(self) -> list[str]:
+        """Samples whose grammar rejected their sampled token since the last call (not appended; the
+        caller fails their requests)."""
+        failures, self.grammar_failures = self.grammar_failures, []
+        return failures
+
+    def _fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The bitmask rows of the constrained requests that sample in this step (those whose
+        scheduled tokens reach their last known token), from their matchers' current state."""
+        sampling = [r for r in (self.requests[i] for i in output.num_scheduled_tokens)
+                    if r.grammar is not None and r.num_computed_tokens == r.num_tokens]
+        if sampling:
+            output.grammar_req_ids = [r.request_id for r in sampling]
+            output.grammar_bitmask = self.structured_outputs.fill_bitmask(sampling)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if request.grammar is not None:
+            request.grammar = None  # its matcher is released
+            self.num_constrained -= 1
         self.kv.free(request)
         self._dropped_ids.add(request.request_id)
         del self.requests[request.request_id]

@@ -21,7 +21,7 @@ from workers.kv_pool import KVPoolSpec, allocate_kv_pool
 from workers.layers.kernels import bind_cpu_kernels, bind_layer_ops
 from workers.models.registry import kv_cache_shape, resolve_architecture
 from workers.parallel_state import TPGroup
-from workers.sampler import Sampler, SamplingRow
+from workers.sampler import GrammarMask, Sampler, SamplingRow
 from workers.weight_loader import iter_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -76,10 +76,22 @@ class ModelRunner:
         logprobs: list[dict | None] = [None] * len(batch.req_ids)
         if batch.sample_rows:
             rows = [self._sampling_row(self.batch.requests[batch.req_ids[i]]) for i in batch.sample_rows]
-            token_ids, row_logprobs = self.sampler(logits, rows)
+            grammar = None
+            if scheduler_output.grammar_bitmask is not None:
+                grammar = self._grammar_mask(scheduler_output, [batch.req_ids[i] for i in batch.sample_rows])
+            token_ids, row_logprobs = self.sampler(logits, rows, grammar)
             for i, token_id, lp in zip(batch.sample_rows, token_ids, row_logprobs):
                 sampled[i], logprobs[i] = [token_id], lp
         return ModelRunnerOutput(batch.req_ids, sampled, logprobs, forward_time, time.perf_counter() - start)
+
+    @staticmethod
+    def _grammar_mask(so: SchedulerOutput, sampling_ids: list[str]) -> GrammarMask | None:
+        """Which logits row (the order of ``sampling_ids``) each bitmask row masks."""
+        position = {req_id: i for i, req_id in enumerate(sampling_ids)}
+        pairs = [(position[req_id], k) for k, req_id in enumerate(so.grammar_req_ids) if req_id in position]
+        if not pairs:
+            return None
+        return GrammarMask(so.grammar_bitmask, [p[0] for p in pairs], [p[1] for p in pairs])
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
         params = state.params

@@ -29,6 +29,16 @@ class SamplingRow:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
+@dataclass
+class GrammarMask:
+    """A step's grammar bitmask (numpy int32, one row per constrained request) and which logits row
+    each of its rows masks: row ``mask_rows[i]`` masks logits row ``logit_rows[i]``."""
+
+    bitmask: object
+    logit_rows: list[int]
+    mask_rows: list[int]
+
+
 def _seed_for(seed: int, output_index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + output_index) % (1 << 63)
 
@@ -45,14 +55,23 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict | None]]:
-        """``logits`` [len(rows), vocab] float32 -> (token id per row, logprobs dict or None per row)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 grammar: GrammarMask | None = None) -> tuple[list[int], list[dict | None]]:
+        """``logits`` [len(rows), vocab] float32 -> (token id per row, logprobs dict or None per row).
+        ``grammar``: the constrained rows' token bitmask, applied before anything else (logprobs stay
+        those of the raw distribution)."""
         logits = logits.float()
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
+        constrained = ()
+        if grammar is not None:
+            from workers.structured_output import apply_bitmask  # only where a request is constrained
+
+            apply_bitmask(logits, grammar.bitmask, grammar.logit_rows, grammar.mask_rows)
+            constrained = set(grammar.logit_rows)  # their bitmask already holds back early stop tokens
         if any(r.params.min_tokens and r.num_output_tokens < r.params.min_tokens for r in rows):
-            logits = self._mask_stop_tokens(logits.clone(), rows)
+            logits = self._mask_stop_tokens(logits.clone(), rows, constrained)
         if any(r.params.has_penalties for r in rows):
             logits = self._apply_penalties(logits.clone(), rows)
 
@@ -97,9 +116,9 @@ class Sampler:
         return sampled
 
     @staticmethod
-    def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], skip=()) -> torch.Tensor:
         for i, row in enumerate(rows):
-            if row.num_output_tokens < row.params.min_tokens and row.stop_ids:
+            if row.num_output_tokens < row.params.min_tokens and row.stop_ids and i not in skip:
                 logits[i, list(row.stop_ids)] = float("-inf")
         return logits
 

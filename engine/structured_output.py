@@ -1,0 +1,145 @@
+"""Constrained decoding, the engine's side: compiled grammars (cached per constraint), one matcher per
+constrained request, and the token bitmask of each step.
+
+The grammar library runs in this process, beside the scheduler: the scheduler knows every
+request's accepted tokens, so it advances the matchers (only after a step succeeded) and fills the
+step's bitmask rows, which travel in the ``SchedulerOutput`` to the sampling rank as plain data.
+The ranks hold no grammar state, so preemption, a failed step and rebuilt ranks need no grammar
+rollback. The backend (``workers.structured_output``, which imports torch) is loaded by name on the
+first constrained request: an engine that never sees one never loads it.
+
+Compilation runs on a small thread pool, off the step loop, and a request enters the scheduler
+only once its grammar compiled; a constraint that does not compile raises ValueError at admission.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from engine.sampling_params import StructuredOutputsParams
+
+BACKENDS = {"xgrammar": "workers.structured_output:XgrammarBackend"}
+
+
+def _load(target: str):
+    module_name, class_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise RuntimeError(f"the structured output backend {target} is not available: {exc}") from exc
+    return getattr(module, class_name)
+
+
+def cache_key(params: StructuredOutputsParams) -> tuple:
+    """(kind, spec) with the spec in a canonical form: a schema's key order does not matter."""
+    kind = params.kind
+    if kind == "json":
+        spec = params.json
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError:
+                return kind, params.json
+        return kind, json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    if kind == "json_object":
+        return kind, True
+    return kind, getattr(params, kind)
+
+
+class StructuredOutputManager:
+    """Compiled grammars and matchers of one engine (one tokenizer). ``max_cached`` compiled grammars
+    are kept, least recently used evicted; a failed compilation is cached too (it would fail again)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, *, backend: str = "xgrammar",
+                 compile_threads: int = 2, max_cached: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.backend_name = backend
+        self.compile_threads = compile_threads
+        self.max_cached = max_cached
+        self._backend = None
+        self._lock = threading.Lock()  # guards the cache and the backend's creation
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        self.num_compiled = 0  # grammars compiled (cache misses)
+        self.compile_time_s = 0.0  # their total compile time
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            with self._lock:
+                if self._backend is None:
+                    cls = _load(BACKENDS[self.backend_name])
+                    self._backend = cls(self.tokenizer, self.vocab_size, self.stop_token_ids, self.compile_threads)
+        return self._backend
+
+    # --- compilation (any thread) -------------------------------------------------------------------
+
+    def compile_async(self, params: StructuredOutputsParams) -> Future:
+        """A future of the compiled grammar of ``params`` (already done on a cache hit); its exception
+        is a ValueError when the constraint does not compile."""
+        key = cache_key(params)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.compile_threads, thread_name_prefix="kvserve-grammar")
+            spec = params.json if params.kind == "json" else key[1]
+            future = self._pool.submit(self._compile, params.kind, spec)
+            self._cache[key] = future
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        return future
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar of ``params``, waiting for it; ValueError if it does not compile."""
+        return self.compile_async(params).result()
+
+    def _compile(self, kind: str, spec):
+        start = time.perf_counter()
+        try:
+            return self.backend.compile(kind, spec)
+        finally:
+            with self._lock:
+                self.num_compiled += 1
+                self.compile_time_s += time.perf_counter() - start
+
+    # --- requests (the step's thread, under the engine's lock) --------------------------------------
+
+    def new_matcher(self, compiled):
+        """A fresh matcher of a compiled grammar (each sample of a request has its own)."""
+        return self.backend.matcher(compiled)
+
+    def fill_bitmask(self, requests: list) -> object:
+        """The bitmask rows of ``requests`` (each holding a matcher), in that order, opaque here."""
+        forbidden = [self._forbidden(r) for r in requests]
+        return self.backend.fill_bitmask([r.grammar for r in requests], forbidden)
+
+    @staticmethod
+    def _forbidden(request) -> tuple[int, ...]:
+        """Stop tokens a request may not sample yet (fewer than min_tokens out): the sampler leaves
+        constrained rows to the bitmask, which keeps them allowed when nothing else is."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            return ()
+        return tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(request.eos_token_ids))
+
+    def accept(self, request, token_ids: list[int]) -> bool:
+        """Advance a request's matcher over its new tokens; False if the grammar rejects one."""
+        backend = self.backend
+        return all(backend.accept(request.grammar, t) for t in token_ids)
+
+    def is_terminated(self, request) -> bool:
+        return self.backend.is_terminated(request.grammar)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
