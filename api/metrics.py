@@ -32,6 +32,15 @@ COUNTERS = {
     "num_worker_restarts": ("worker_restarts", "Times the engine rebuilt its ranks after losing one."),
     "num_failed_steps": ("failed_steps", "Engine steps that raised (rolled back, not counting lost ranks)."),
     "num_failed_requests": ("failed_requests", "Requests failed because a step that held them alone raised."),
+    "host_kv_cache_queries": ("host_kv_cache_queries", "Prompt tokens looked up in the host KV tier after "
+                              "missing the pool."),
+    "host_kv_cache_hits": ("host_kv_cache_hits", "Prompt tokens restored from the host KV tier."),
+    "host_kv_cache_offloaded_blocks": ("host_kv_cache_offloaded_blocks", "KV blocks copied from the pool to the "
+                                       "host tier on eviction."),
+    "host_kv_cache_evictions": ("host_kv_cache_evictions", "Host KV tier entries dropped to make room (LRU)."),
+    "kv_offload_bytes": ("kv_offload_bytes", "Bytes copied from the KV pool to the host tier, over every rank."),
+    "kv_restore_bytes": ("kv_restore_bytes", "Bytes copied from the host tier back into the KV pool, over every "
+                         "rank."),
 }
 GAUGES = {
     "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens."),
@@ -41,6 +50,8 @@ GAUGES = {
     "kv_waste_at_peak": ("kv_cache_waste_at_peak_perc", "Empty slots in held blocks at that peak (0-1)."),
     "num_requests_running": ("num_requests_running", "Requests in the running batch."),
     "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "host_kv_cache_usage": ("host_kv_cache_usage_perc", "Share of the host KV tier's blocks in use (0-1)."),
+    "host_kv_cache_blocks": ("host_kv_cache_blocks", "Blocks of the host KV tier on each rank (0: no tier)."),
 }
 # stats["histograms"] key -> help; the family is named after the key
 HISTOGRAMS = {

@@ -187,3 +187,36 @@ def test_settings_are_checked(llama):
         stats = llm.stats()
         assert stats["host_kv_cache_blocks"] == (1 << 20) // stats["kv_bytes_per_block_per_rank"]
         assert stats["host_kv_bytes_per_rank"] == stats["host_kv_cache_blocks"] * stats["kv_bytes_per_block_per_rank"]
+
+
+def test_metrics_carry_the_tier_counters(llama):
+    """stats() through the Prometheus exposition: every tier family with the engine's exact value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from api.metrics import prometheus_text
+
+    convs = conversations(llama, users=3, turns=2)
+    with LLM(model=llama, block_size=BS, num_kv_blocks=12, max_model_len=176, num_host_kv_blocks=6,
+             attention_backend="cpu") as llm:
+        for turn in range(2):
+            llm.generate([{"prompt_token_ids": c[turn]} for c in convs], GREEDY)
+        stats = llm.stats()
+    assert stats["host_kv_cache_evictions"] > 0 and stats["host_kv_cache_blocks_used"] == 6  # a full tier
+    assert stats["host_kv_cache_usage"] == 1.0
+    families = {f.name: f for f in text_string_to_metric_families(prometheus_text({"r0": stats}, "tiny"))}
+    expected = {
+        "kvserve:host_kv_cache_queries": ("counter", stats["host_kv_cache_queries"]),
+        "kvserve:host_kv_cache_hits": ("counter", stats["host_kv_cache_hits"]),
+        "kvserve:host_kv_cache_offloaded_blocks": ("counter", stats["host_kv_cache_offloaded_blocks"]),
+        "kvserve:host_kv_cache_evictions": ("counter", stats["host_kv_cache_evictions"]),
+        "kvserve:kv_offload_bytes": ("counter", stats["kv_offload_bytes"]),
+        "kvserve:kv_restore_bytes": ("counter", stats["kv_restore_bytes"]),
+        "kvserve:host_kv_cache_usage_perc": ("gauge", 1.0),
+        "kvserve:host_kv_cache_blocks": ("gauge", 6),
+    }
+    for name, (kind, value) in expected.items():
+        family = families[name]
+        assert family.type == kind
+        [sample] = [s for s in family.samples if not s.name.endswith("_created")]
+        assert sample.value == value and sample.labels == {"model_name": "tiny", "replica": "r0"}
+    assert stats["kv_offload_bytes"] > 0 and stats["kv_restore_bytes"] > 0
