@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.block_hash import hash_blocks
-from engine.kv_map import STATES, KVHistory, KVMonitor, most_shared_prefixes, rle_decode, rle_encode
+from engine.kv_map import (STATES, KVHistory, KVMonitor, host_tier_usage, most_shared_prefixes, rle_decode,
+                           rle_encode)
 from engine.scheduler import Scheduler
 from tests.engine.fakes import FakeRunner, make_request
 
@@ -200,6 +201,23 @@ def test_the_sampler_thread_samples_until_stopped():
     assert taken >= 4
     threading.Event().wait(0.1)
     assert len(monitor.history) == taken  # stopped: no more samples
+
+
+def test_host_tier_usage_is_read_from_the_tier():
+    from engine.host_tier import HostTierIndex
+
+    tier = HostTierIndex(8)
+    for i in range(3):
+        tier.insert(bytes([i]) * 16, (i, i, i, i))
+    assert host_tier_usage(tier) == {"num_blocks": 8, "num_used": 3}
+    assert host_tier_usage(None) is None
+    sched = make_scheduler()
+    sched.kv.host_tier = tier
+    monitor = KVMonitor(sched)
+    monitor.sample()
+    snap = monitor.snapshot()
+    assert snap["host_tier"] == {"num_blocks": 8, "num_used": 3}
+    assert snap["history"]["host_usage"] == [3 / 8]
 
 
 # --- consistency and size --------------------------------------------------------------------------------
