@@ -220,6 +220,25 @@ def test_host_tier_usage_is_read_from_the_tier():
     assert snap["history"]["host_usage"] == [3 / 8]
 
 
+def test_an_engine_with_a_host_tier_shows_what_it_offloaded():
+    """Six prompts of 9 tokens (2 full blocks each, 3 blocks with their 2 outputs) one after the other
+    in 11 usable blocks: r3 takes 10, 11 and r0's partial block 3; r4 evicts r0's two cached blocks
+    (and r1's partial 6), r5 r1's two: four blocks offloaded into the tier of 8."""
+    sched = Scheduler(num_kv_blocks=12, block_size=BS, enable_prefix_caching=True, max_num_seqs=4,
+                      max_num_batched_tokens=64, max_model_len=64, num_host_kv_blocks=8)
+    runner = FakeRunner()
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", [10 * i + j for j in range(1, 10)], max_tokens=2))
+        finish_all(sched, runner)
+    monitor = KVMonitor(sched)
+    monitor.sample()
+    snap = monitor.snapshot()
+    stats = sched.kv.host_tier_stats()
+    assert snap["host_tier"] == {"num_blocks": 8, "num_used": 4}
+    assert (stats["host_kv_cache_blocks"], stats["host_kv_cache_blocks_used"]) == (8, 4)
+    assert snap["history"]["host_usage"] == [0.5]
+
+
 # --- consistency and size --------------------------------------------------------------------------------
 
 
