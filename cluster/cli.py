@@ -41,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.cli import add_bench_arguments, run_bench
     from benchmarks.fuzz import add_fuzz_arguments, run_fuzz
     from benchmarks.gpu_bench import add_bench_gpu_arguments, run_bench_gpu
+    from benchmarks.host_tier import add_bench_host_tier_arguments, run_bench_host_tier
     from benchmarks.online_vllm import add_bench_online_vllm_arguments, run_bench_online_vllm
     from benchmarks.profile_step import add_profile_step_arguments, run_profile_step
     from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
+    from benchmarks.structured import add_bench_structured_arguments, run_bench_structured
     from benchmarks.tensor_parallel import add_bench_tp_arguments, run_bench_tp
     from workers.model_builder import add_make_model_arguments, run_make_model
 
@@ -63,8 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         ("bench-gpu", "one device, a 1B-shape checkpoint: decode steps beside the bandwidth bound, prefill, the "
          "shared-prompt workload, HF generate, torch vs Triton attention", add_bench_gpu_arguments, run_bench_gpu),
         ("bench-tp", "TP=1 in-process against TP=N on Ray worker actors", add_bench_tp_arguments, run_bench_tp),
+        ("bench-host-tier", "multi-turn conversations through a pool holding a quarter of their KV: prefix hit "
+         "rate and output tok/s with the host KV tier off, on, and with an unlimited pool",
+         add_bench_host_tier_arguments, run_bench_host_tier),
         ("bench-serve", "the Serve app over HTTP against the offline engine", add_bench_serve_arguments,
          run_bench_serve),
+        ("bench-structured", "constrained decoding: output tok/s with a 10-field JSON schema against the same "
+         "requests unconstrained, and the time to compile a new schema", add_bench_structured_arguments,
+         run_bench_structured),
         ("profile-step", "where the time of a decode step goes, N sequences running", add_profile_step_arguments,
          run_profile_step),
         ("chaos", "the Serve app under load while its scheduler actor, a rank and its replica are killed: requests "
