@@ -5,7 +5,9 @@ Policy, for one ``generate(request_id, prompt_token_ids, params, cache_salt=...)
 1. Hash the prompt's full blocks once (``engine.block_hash.hash_blocks``, 8-byte truncation, the
    same values every replica's prefix cache holds) and keep them for the request's retries.
 2. Per candidate replica, the match is the number of *leading* prompt hashes it holds: the hashes
-   of its last routing-stats report plus the chains recently routed to it (stop at the first miss).
+   of its last routing-stats report (its pool's cached blocks, then those only its host KV tier
+   holds: a tier hit is restored, not recomputed) plus the chains recently routed to it (stop at
+   the first miss).
 3. Eligible replicas are those whose load is within ``imbalance_threshold`` of the least loaded one
    (load: Serve's queue-length cache, else the reported ``num_waiting + num_running``, else 0;
    plus the requests chosen for it that the handle has not sent yet, which Serve does not count).
