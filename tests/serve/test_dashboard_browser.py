@@ -1,11 +1,12 @@
 """/dashboard in a real headless browser (Debian's ``chromium``, driven over the DevTools protocol):
-the app served by uvicorn over a real engine with requests finished and three held in flight; the
-page asks for the key (and asks again when it is refused, or takes it from the URL fragment), then
-draws the map without a console error; the counts it shows (and the pixels it draws) match /metrics
-read at the same moment; a screenshot is written.
+the app served by uvicorn over a real engine with a host KV tier, requests finished and three held
+in flight; the page asks for the key (and asks again when it is refused, or takes it from the URL
+fragment), then draws the map without a console error; the counts it shows (and the pixels it
+draws) match /metrics read at the same moment; a screenshot is written.
 
 Needs ``chromium`` on PATH or in $CHROMIUM (Debian/Ubuntu: ``apt-get install chromium``); skipped
-without it, unless KVSERVE_REQUIRE_CHROMIUM=1 (CI), where its absence fails the test. With $KVSERVE_SCREENSHOT_DIR set, the screenshot is also copied there as kv_map.png
+without it, unless KVSERVE_REQUIRE_CHROMIUM=1 (CI), where its absence fails the test. With
+$KVSERVE_SCREENSHOT_DIR set, the screenshot is also copied there as kv_map.png
 (``KVSERVE_SCREENSHOT_DIR=docs/images`` refreshes the one in the docs)."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import pytest
 
 from tests.serve.dashboard_harness import (API_KEY, assert_counts_match_metrics, dash_app, engine_paused,  # noqa: F401
                                            metric, monitor, requests_in_flight)
-from tests.serve.openai_harness import MODEL, REPLICA, llm, model_dir, prompts, run, until_clean  # noqa: F401
+from tests.e2e.prompts import corpus_ids
+from tests.serve.openai_harness import MODEL, REPLICA, model_dir, prompts, run, until_clean  # noqa: F401
 from tests.serve.serve_harness import free_port
 
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -39,6 +41,16 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None and os.environ.get("KVSERVE_REQ
 COLOURS = {"free": (0xE3, 0xE7, 0xEE), "cached": (0x7F, 0xB2, 0xE5), "used": (0xF0, 0xA0, 0x4B),
            "shared": (0xD6, 0x45, 0x41)}
 WIDTH = 1280
+HOST_BLOCKS = 128  # the engine's host KV tier
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir, run):  # the harness's engine, with a host tier
+    from engine import AsyncLLM, engine_config
+
+    engine = AsyncLLM(engine_config(model_dir, num_kv_blocks=400, num_host_kv_blocks=HOST_BLOCKS))
+    yield engine
+    engine.shutdown()
 
 
 class DevTools:
@@ -160,7 +172,7 @@ DOM_READ = """(() => {
 })()"""
 
 
-def test_the_page_in_chromium_matches_metrics(dash_app, llm, prompts, monitor, run, tmp_path):
+def test_the_page_in_chromium_matches_metrics(dash_app, llm, model_dir, prompts, monitor, run, tmp_path):
     import uvicorn
 
     assert CHROMIUM is not None, f"KVSERVE_REQUIRE_CHROMIUM=1: {NO_CHROMIUM}"
@@ -224,7 +236,11 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, prompts, monitor, r
                 await asyncio.sleep(0.02)
             async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"},
                                          timeout=60) as http:
-                for prompt in (prompts[5], prompts[6], prompts[2]):  # finished: their full blocks stay cached
+                ids = corpus_ids(f"{model_dir}/tokenizer.json")
+                # 14 distinct prompts of 32 blocks cycle the 399-block pool: the oldest cached blocks are
+                # evicted into the host tier; the last ones stay cached
+                cycle = [list(ids[9000 + 500 * k:9500 + 500 * k]) for k in range(14)]
+                for prompt in cycle:
                     response = await http.post("/v1/completions", json={
                         "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
                     assert response.status_code == 200, response.text
@@ -270,7 +286,10 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, prompts, monitor, r
     top = dom["rows"][0]
     assert top[1:4] == [str(300 // 16), str(300 // 16 * 16), "3"]  # 18 blocks, 288 tokens, 3 requests
     assert dom["usagePath"].startswith("M") and "L" in dom["usagePath"]
-    assert replica["host_tier"] is None and not dom["hostShown"]  # no host tier here: not in the legend
+    tier = replica["host_tier"]
+    assert dom["hostShown"] and tier["num_blocks"] == HOST_BLOCKS == metric(metrics_text, "kvserve:host_kv_cache_blocks")
+    assert 0 < dom["counts"]["host"] == tier["num_used"]
+    assert tier["num_used"] / tier["num_blocks"] == metric(metrics_text, "kvserve:host_kv_cache_usage_perc")
 
     # the pixels: each block is one square of the state's colour, (cell - 1)^2 pixels with its gap
     png = seen["png"]
