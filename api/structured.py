@@ -28,21 +28,39 @@ def tool_parameters(function: dict[str, Any]) -> dict[str, Any]:
     return dict(EMPTY_PARAMETERS) if parameters is None else parameters
 
 
+_DEFINITIONS = ("$defs", "definitions")  # where a schema keeps the subschemas its "#/..." references name
+
+
 def required_calls_schema(functions: list[dict[str, Any]], parallel_tool_calls: bool) -> dict[str, Any]:
     """The schema of ``tool_choice: "required"``: a JSON array of ``{"name": ..., "arguments": ...}``,
     each item one of the tools (``anyOf``, the name a one-value enum so that the arguments follow
-    their tool's schema), at least one item, exactly one without ``parallel_tool_calls``."""
-    items = [{
-        "type": "object",
-        "properties": {"name": {"type": "string", "enum": [function["name"]]},
-                       "arguments": tool_parameters(function)},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    } for function in functions]
+    their tool's schema), at least one item, exactly one without ``parallel_tool_calls``.
+
+    A tool's ``$defs`` (or ``definitions``) move to the root of this schema, where its references
+    (``#/$defs/...``, relative to the document's root) find them; two tools defining one name
+    differently are a ValueError."""
+    definitions: dict[str, dict[str, Any]] = {key: {} for key in _DEFINITIONS}
+    items = []
+    for function in functions:
+        parameters = tool_parameters(function)
+        if isinstance(parameters, dict) and any(key in parameters for key in _DEFINITIONS):
+            parameters = dict(parameters)
+            for key in _DEFINITIONS:
+                for name, definition in (parameters.pop(key, None) or {}).items():
+                    if definitions[key].setdefault(name, definition) != definition:
+                        raise ValueError(f"the tools define {key}/{name} differently; with tool_choice "
+                                         "\"required\" their definitions share one schema, so rename one")
+        items.append({
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [function["name"]]}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
     schema: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
                               "minItems": 1}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
+    schema.update({key: found for key, found in definitions.items() if found})
     return schema
 
 

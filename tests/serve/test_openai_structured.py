@@ -63,6 +63,35 @@ def test_required_tool_choice_returns_calls_valid_for_their_tools(client, llm, r
     run(until_clean(llm))
 
 
+class Address(BaseModel):
+    city: Literal["Paris", "Oslo"]
+    zone: int = Field(ge=0, le=9)
+
+
+class Move(BaseModel):
+    home: Address
+    work: Address | None
+
+
+def test_required_calls_of_pydantic_tools_whose_schemas_reference_definitions(client, run):
+    """The SDK's pydantic tools write nested models as ``$defs`` and ``$ref``; the calls still follow them."""
+    tools = [openai.pydantic_function_tool(Move, name="move"), openai.pydantic_function_tool(Address, name="visit")]
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    assert "$defs" in schemas["move"]
+
+    async def main():
+        return [await client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, seed=seed,
+                                                     tool_choice="required", max_tokens=MAX_TOKENS)
+                for seed in SEEDS]
+
+    finished = [r.choices[0] for r in run(main()) if r.choices[0].finish_reason == "tool_calls"]
+    assert finished
+    for choice in finished:
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert "move" in {call.function.name for choice in finished for call in choice.message.tool_calls}
+
+
 def test_a_named_tool_choice_calls_that_function(client, run):
     async def main():
         return [await client.chat.completions.create(

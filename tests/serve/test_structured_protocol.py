@@ -97,6 +97,27 @@ def test_required_without_parallel_calls_takes_exactly_one_call_and_one_tool_nee
     assert schema["items"]["properties"]["arguments"] == WEATHER
 
 
+def test_required_tool_choice_moves_the_tools_definitions_to_the_root_where_references_find_them():
+    address = {"type": "object", "properties": {"city": {"type": "string"}}}
+    save = {"$defs": {"Addr": address}, "type": "object", "properties": {"home": {"$ref": "#/$defs/Addr"}}}
+    legacy = {"definitions": {"Zone": {"enum": [1, 2]}}, "type": "object",
+              "properties": {"zone": {"$ref": "#/definitions/Zone"}}}
+    tools = [{"type": "function", "function": {"name": "save", "parameters": save}},
+             {"type": "function", "function": {"name": "move", "parameters": legacy}},
+             {"type": "function", "function": {"name": "copy", "parameters": save}}]
+    schema = constraint(chat(tools=tools, tool_choice="required")).json
+    assert schema["$defs"] == {"Addr": address} and schema["definitions"] == {"Zone": {"enum": [1, 2]}}
+    arguments = [item["properties"]["arguments"] for item in schema["items"]["anyOf"]]
+    assert arguments == [{"type": "object", "properties": {"home": {"$ref": "#/$defs/Addr"}}},
+                         {"type": "object", "properties": {"zone": {"$ref": "#/definitions/Zone"}}},
+                         {"type": "object", "properties": {"home": {"$ref": "#/$defs/Addr"}}}]
+    assert save["$defs"] == {"Addr": address}  # the request's own schema is left as it was
+    other = {"$defs": {"Addr": {"type": "string"}}, "type": "object", "properties": {}}
+    clash = tools[:1] + [{"type": "function", "function": {"name": "other", "parameters": other}}]
+    with pytest.raises(ValidationError, match="the tools define \\$defs/Addr differently"):
+        chat(tools=clash, tool_choice="required")
+
+
 def test_a_named_tool_choice_constrains_to_that_functions_arguments():
     request = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "weather"}})
     assert constraint(request) == StructuredOutputsParams(json=WEATHER)
