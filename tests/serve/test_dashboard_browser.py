@@ -2,7 +2,8 @@
 the app served by uvicorn over a real engine with a host KV tier, requests finished and three held
 in flight; the page asks for the key (and asks again when it is refused, or takes it from the URL
 fragment), then draws the map without a console error; the counts it shows (and the pixels it
-draws) match /metrics read at the same moment; a screenshot is written.
+draws) match /metrics read at the same moment, and again after a request ends; a screenshot is
+written.
 
 Needs ``chromium`` on PATH or in $CHROMIUM (Debian/Ubuntu: ``apt-get install chromium``); skipped
 without it, unless KVSERVE_REQUIRE_CHROMIUM=1 (CI), where its absence fails the test. With
@@ -207,6 +208,14 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, model_dir, prompts,
             time.sleep(0.3)  # one frame at the new size
             dom = browser.evaluate(DOM_READ)  # the layout is the same; the box is read again at this size
             png = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+            # live: one request ends while the engine stands still; the page's next polls show it
+            polls_before = int(browser.evaluate("document.body.dataset.polls"))
+            llm.core.abort_request("in-flight-2")
+            browser.wait_for(f"Number(document.body.dataset.polls) >= {polls_before + 2}", "two polls after an abort")
+            live = browser.evaluate(DOM_READ)
+            live_metrics = httpx.get(f"{base}/metrics", timeout=30).text
+            live_data = httpx.get(f"{base}/dashboard/data", headers={"Authorization": f"Bearer {API_KEY}"},
+                                  timeout=30).json()
             errors = browser.errors(since=mark)
             # the capture sees what it must: a console error and an uncaught exception, made on purpose
             browser.evaluate("console.error('probe-console'); setTimeout(() => { throw new Error('probe-throw'); }, 0); 1")
@@ -221,7 +230,7 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, model_dir, prompts,
             browser.wait_for("Number(document.body.dataset.polls || 0) >= 1", "a poll with the fragment's key")
             by_fragment = browser.evaluate("({hash: location.hash, shown: Number(document.querySelector("
                                            "'[data-count=shared]').textContent), form: !document.getElementById('key-form').hidden})")
-            return {"asked": asked_before_polling, "polls": polls, "dom": dom, "metrics": metrics_text, "data": data,
+            return {"live": live, "live_metrics": live_metrics, "live_data": live_data, "asked": asked_before_polling, "polls": polls, "dom": dom, "metrics": metrics_text, "data": data,
                     "png": png, "errors": errors, "probes": probes, "refused": refused, "by_fragment": by_fragment,
                     "fragment_errors": browser.errors(since=loaded)}
         finally:
@@ -282,7 +291,14 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, model_dir, prompts,
     assert dom["hitRate"] == metric(metrics_text, "kvserve:prefix_cache_hit_rate") > 0
     assert dom["kvUsage"] == metric(metrics_text, "kvserve:kv_cache_usage_perc") > 0
     assert all(shown[state] > 0 for state in COLOURS), shown  # every state on the map
-    assert seen["by_fragment"]["shown"] == shown["shared"]
+    # after the abort: one request fewer, its blocks released, the page redrawn to /metrics' numbers
+    live, (live_replica,) = seen["live"], seen["live_data"]["replicas"]
+    live_shown = {state: live["counts"][state] for state in COLOURS}
+    assert live_shown == live_replica["counts"] and live_shown["used"] < shown["used"]
+    assert_counts_match_metrics(live_replica, seen["live_metrics"], live_shown)
+    assert live["running"] == metric(seen["live_metrics"], "kvserve:num_requests_running") == 2
+    assert live["rows"][0][1:4] == [str(300 // 16), str(300 // 16 * 16), "2"]
+    assert seen["by_fragment"]["shown"] == live_shown["shared"]
     top = dom["rows"][0]
     assert top[1:4] == [str(300 // 16), str(300 // 16 * 16), "3"]  # 18 blocks, 288 tokens, 3 requests
     assert dom["usagePath"].startswith("M") and "L" in dom["usagePath"]
