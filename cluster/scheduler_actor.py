@@ -131,10 +131,11 @@ class SchedulerActor:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def kv_map(self) -> dict:
+    async def kv_map(self) -> dict:
         """The KV-cache map of this engine (engine/kv_map.py): block states, counts, history, the most
-        shared prefixes."""
-        return self.kv_monitor.snapshot()
+        shared prefixes. Built on a thread: the walk over the pool (milliseconds for a large one, and
+        a wait for the engine's lock) does not hold up the streams this actor's event loop serves."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.kv_monitor.snapshot)
 
     def routing_stats(self) -> dict:
         """What a prefix-aware router needs: the cached block hashes. (Load comes from Serve's own
