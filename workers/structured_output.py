@@ -16,69 +16,12 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-# JSON Schema keywords that assert something xgrammar 0.2.9 does not enforce (it would accept
-# instances that break them): a schema using one is refused rather than silently loosened
-_UNENFORCED = {
-    "not": "'not'",
-    "if": "'if'/'then'/'else'", "then": "'if'/'then'/'else'", "else": "'if'/'then'/'else'",
-    "contains": "'contains'", "minContains": "'minContains'", "maxContains": "'maxContains'",
-    "dependentRequired": "'dependentRequired'", "dependentSchemas": "'dependentSchemas'",
-    "dependencies": "'dependencies'", "$dynamicRef": "'$dynamicRef'", "$recursiveRef": "'$recursiveRef'",
-}
-# the string formats xgrammar 0.2.9 enforces (others would be accepted as any string)
-FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "uuid", "uri", "uri-reference",
-                     "uri-template", "ipv4", "ipv6", "hostname", "json-pointer", "relative-json-pointer"})
-# where a schema holds further schemas: name -> one schema, a list of them, or a map of them
-_ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames",
-        "additionalItems")
-_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
-_MAP = ("properties", "patternProperties", "$defs", "definitions")
+from workers.json_schema_support import check_json_schema
+
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # xgrammar 0.2.9 spells the characters of a string with minLength / maxLength as this class, which
 # lets raw control characters (invalid in JSON) through; they are excluded as in its other strings
 _LENGTH_CLASS, _JSON_CHAR_CLASS = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
-
-
-def check_json_schema(schema, where: str = "the schema") -> None:
-    """Raise ValueError naming the first keyword of ``schema`` that the backend would not enforce."""
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise ValueError(f"invalid JSON schema for structured outputs: {where} must be an object or a boolean.")
-    for key in schema:
-        if key in _UNENFORCED:
-            raise ValueError(f"JSON schema keyword {_UNENFORCED[key]} (at {where}) is not supported "
-                             f"by structured outputs.")
-    fmt = schema.get("format")
-    if isinstance(fmt, str) and fmt not in FORMATS and schema.get("type") in ("string", None):
-        raise ValueError(f"JSON schema format {fmt!r} (at {where}) is not supported by structured outputs; "
-                         f"supported formats: {', '.join(sorted(FORMATS))}.")
-    if "multipleOf" in schema and schema.get("type") != "integer":
-        raise ValueError(f"JSON schema keyword 'multipleOf' (at {where}) is supported on integers only.")
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        raise ValueError(f"JSON schema keyword 'allOf' with more than one schema (at {where}) is not "
-                         f"supported by structured outputs.")
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        raise ValueError(f"JSON schema $ref {ref!r} (at {where}) is not supported: only references "
-                         f"within the schema ('#/...') are.")
-    required, properties = schema.get("required"), schema.get("properties")
-    if isinstance(required, list):
-        missing = [name for name in required if not isinstance(properties, dict) or name not in properties]
-        if missing:
-            raise ValueError(f"JSON schema requires {missing[0]!r} (at {where}) without describing it in "
-                             f"'properties', which structured outputs do not support.")
-    for key in _ONE:
-        if isinstance(schema.get(key), (dict, bool)):
-            check_json_schema(schema[key], f"{where}.{key}")
-    for key in _LIST:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                check_json_schema(sub, f"{where}.{key}[{i}]")
-    for key in _MAP:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                check_json_schema(sub, f"{where}.{key}.{name}")
 
 
 def _clean(exc: BaseException) -> str:

@@ -120,11 +120,31 @@ def test_added_tokens_that_are_not_special_are_their_text(model_dirs, tmp_path):
     ({"type": "object", "properties": {"x": {"anyOf": [{"type": "string"}, {"not": {"const": 1}}]}}},
      "'not' (at the schema.properties.x.anyOf[1])"),
     ({"$defs": {"a": {"type": "array", "maxContains": 2}}, "$ref": "#/$defs/a"}, "(at the schema.$defs.a)"),
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems'"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf'"),  # 5 matches both
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"enum": ["b", "a"]}}, "required": ["k"]}]}, "'oneOf'"),
 ])
 def test_keywords_xgrammar_would_not_enforce_are_refused(schema, named):
-    with pytest.raises(ValueError, match="not supported|do not support|supported on integers only") as info:
+    with pytest.raises(ValueError, match="not supported|do not support|supported on integers only|supported only when") as info:
         check_json_schema(schema)
     assert named in str(info.value)
+
+
+def test_one_of_schemas_that_cannot_overlap_are_enforced(tokenizer, manager):
+    """A discriminated union (pydantic's shape: oneOf of $refs whose required "kind" differ), or
+    branches of different types: oneOf then means anyOf, which xgrammar enforces."""
+    union = {"$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+                               "required": ["kind", "lives"]},
+                       "Dog": {"type": "object", "properties": {"kind": {"const": "dog"}, "bark": {"type": "string"}},
+                               "required": ["kind", "bark"]}},
+             "type": "object", "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                                                      "discriminator": {"propertyName": "kind"}}},
+             "required": ["pet"]}
+    compiled = manager.compile(SO(json=union))
+    assert accepts(manager.backend, compiled, tokenizer, '{"pet": {"kind": "dog", "bark": "woof"}}')
+    assert not accepts(manager.backend, compiled, tokenizer, '{"pet": {"kind": "dog", "lives": 9}}', end=False)
+    check_json_schema({"oneOf": [{"type": "integer"}, {"type": ["string", "null"]}, {"const": True}]})
 
 
 def test_property_names_that_look_like_keywords_are_just_names(manager):
