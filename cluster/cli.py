@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.online_vllm import add_bench_online_vllm_arguments, run_bench_online_vllm
     from benchmarks.profile_step import add_profile_step_arguments, run_profile_step
     from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
+    from benchmarks.structured import add_bench_structured_arguments, run_bench_structured
     from benchmarks.tensor_parallel import add_bench_tp_arguments, run_bench_tp
     from workers.model_builder import add_make_model_arguments, run_make_model
 
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
          add_bench_host_tier_arguments, run_bench_host_tier),
         ("bench-serve", "the Serve app over HTTP against the offline engine", add_bench_serve_arguments,
          run_bench_serve),
+        ("bench-structured", "constrained decoding: output tok/s with a 10-field JSON schema against the same "
+         "requests unconstrained, and the time to compile a new schema", add_bench_structured_arguments,
+         run_bench_structured),
         ("profile-step", "where the time of a decode step goes, N sequences running", add_profile_step_arguments,
          run_profile_step),
         ("chaos", "the Serve app under load while its scheduler actor, a rank and its replica are killed: requests "
