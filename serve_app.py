@@ -51,6 +51,7 @@ from api.http_app import build_openai_app, validation_error
 from api.metrics import prometheus_text
 from api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from api.openai_serving import OpenAIServing
+from api.tool_parsers import check_tool_parser
 from cluster.scheduler_actor import launch_scheduler_actor
 from engine import EngineDeadError, EngineOverloadedError, SamplingParams, engine_config
 from engine.config import EngineConfig, ModelConfig
@@ -170,6 +171,9 @@ class AppArgs(BaseModel):
     api_key_file: str | None = None  # or a file holding it on the Ingress's node (a mounted Secret)
     max_waiting_requests: int = 512
     stream_interval: int = Field(1, ge=1)  # streamed tokens per chunk (fewer, larger SSE chunks when > 1)
+    # how tool calls are read out of the model's text under tool_choice "auto": generic (JSON, else Hermes
+    # <tool_call> blocks), hermes, llama3_json
+    tool_call_parser: str = "generic"
     # logical CPUs of the engine bundle (tp = 1) or of each rank bundle (at least 1: a rank actor takes one)
     engine_cpus: float = Field(1.0, gt=0)
     torch_threads: int | None = None  # intra-op threads of the engine at tp = 1 (default: engine_cpus)
@@ -225,6 +229,11 @@ class AppArgs(BaseModel):
                                      f"{loading[key]!r}: give it once")
                 merged[flat] = loading[key]
         return merged
+
+    @model_validator(mode="after")
+    def _tool_call_parser(self) -> AppArgs:
+        check_tool_parser(self.tool_call_parser)
+        return self
 
     @model_validator(mode="after")
     def _deployment_options(self) -> AppArgs:
@@ -638,12 +647,14 @@ class Ingress:
 
     def __init__(self, llm_server: DeploymentHandle, model: ModelConfig, served_model_name: str,
                  max_model_len: int, api_key: str | None, stream_interval: int = 1, min_engines: int = 1,
-                 api_key_env: str | None = None, api_key_file: str | None = None) -> None:
+                 api_key_env: str | None = None, api_key_file: str | None = None,
+                 tool_call_parser: str = "generic") -> None:
         self.tokenizer = Tokenizer(localize_model(model).path)  # the checkpoint's copy on this node
         self.app_name = serve.get_replica_context().app_name
         self.engines = EngineWatch(self.app_name, min_engines)
         self.client = ServeEngineClient(llm_server, self.engines)
-        self.serving = OpenAIServing(self.client, self.tokenizer, served_model_name, max_model_len, stream_interval)
+        self.serving = OpenAIServing(self.client, self.tokenizer, served_model_name, max_model_len, stream_interval,
+                                     tool_call_parser=tool_call_parser)
         self.served_model_name = served_model_name
         self.api_key = api_key_from_env(api_key_env) if api_key_env is not None else \
             api_key_from_file(api_key_file) if api_key_file is not None else api_key
@@ -924,7 +935,8 @@ def build_app(args: AppArgs | dict | None = None):
     if args.api_key_file is not None:
         api_key_from_file(args.api_key_file)
     return ingress.bind(llm_server, config.model, served_name, config.max_model_len, args.api_key,
-                        args.stream_interval, min_engines, args.api_key_env, args.api_key_file)
+                        args.stream_interval, min_engines, args.api_key_env, args.api_key_file,
+                        args.tool_call_parser)
 
 
 app = build_app

@@ -112,7 +112,7 @@ def test_api_key_from_an_environment_variable(model_dirs, monkeypatch):
     monkeypatch.setenv("KVSERVE_TEST_KEY", "s3cret-key")
     app = build_app({"model": model_dirs["llama"], "api_key_env": "KVSERVE_TEST_KEY"})
     bound = app._bound_deployment
-    assert bound.init_args[4] is None and bound.init_args[-2:] == ("KVSERVE_TEST_KEY", None)
+    assert bound.init_args[4] is None and bound.init_args[-3:-1] == ("KVSERVE_TEST_KEY", None)
     assert "s3cret-key" not in repr(bound.init_args) + repr(bound.init_kwargs)
 
 
@@ -129,7 +129,7 @@ def test_api_key_from_a_file(model_dirs, tmp_path):
     (tmp_path / "key").write_text("s3cret-key\n")
     assert api_key_from_file(str(tmp_path / "key")) == "s3cret-key"
     bound = build_app({"model": model_dirs["llama"], "api_key_file": str(tmp_path / "key")})._bound_deployment
-    assert bound.init_args[4] is None and bound.init_args[-1] == str(tmp_path / "key")
+    assert bound.init_args[4] is None and bound.init_args[-2] == str(tmp_path / "key")
     assert "s3cret-key" not in repr(bound.init_args) + repr(bound.init_kwargs)
 
 
@@ -207,3 +207,10 @@ def test_model_as_a_repo_id_and_ray_serve_llm_model_loading_config(hf_cache, mod
         AppArgs.model_validate({"model_loading_config": {"model_path": "x"}})
     with pytest.raises(ValueError, match="'kvserve-test/absent' is not a directory, nor in the Hugging Face cache"):
         build_app({"model": "kvserve-test/absent"})
+
+
+def test_tool_call_parser_reaches_the_ingress(model_dirs):
+    assert build_app({"model": model_dirs["llama"], "tool_call_parser": "hermes"})._bound_deployment.init_args[-1] == "hermes"
+    assert build_app({"model": model_dirs["llama"]})._bound_deployment.init_args[-1] == "generic"
+    with pytest.raises(ValidationError, match="tool_call_parser must be one of generic, hermes, llama3_json, got 'xml'"):
+        AppArgs.model_validate({"tool_call_parser": "xml"})

@@ -4,7 +4,7 @@ proxy, /metrics moving, the queue bound, and a client that disconnects mid-strea
 from __future__ import annotations
 
 import asyncio
-
+import json
 import threading
 import time
 
@@ -128,6 +128,24 @@ def test_python_handles_take_openai_bodies(served, offline):
         with pytest.raises(OpenAIError) as err:
             handle.completions.remote(bad).result()
         assert err.value.status == 400 and err.value.body()["error"]["param"] == param
+
+
+def test_python_handle_chat_with_a_named_tool(served):
+    """A named tool_choice through the handle: the output is constrained to that function's arguments,
+    answered as tool_calls; the streamed pieces assemble to the same arguments."""
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+        "additionalProperties": False}}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Time?"}], "tools": tools, "seed": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}, "max_tokens": 64}
+    choice = served["handle"].chat.remote(body).result()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    assert isinstance(json.loads(call["function"]["arguments"])["utc"], bool)
+    chunks = list(served["handle"].options(stream=True).chat_stream.remote(body))
+    pieces = [p for c in chunks if c["choices"] for p in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert "".join(p["function"].get("arguments", "") for p in pieces) == call["function"]["arguments"]
 
 
 def test_malformed_requests_through_serve_get_4xx_and_spare_good_ones(served, offline):
