@@ -99,7 +99,7 @@ ENGINE_KWARGS = frozenset({
     "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "seed", "placement_strategy", "attention_backend", "cascade_attention", "max_worker_restarts",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
-    "max_stop_token_ids",
+    "max_stop_token_ids", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
 })
 # Serve deployment options that deployment_config / ingress_deployment_config may set
 DEPLOYMENT_OPTIONS = frozenset({
@@ -142,6 +142,11 @@ class AppArgs(BaseModel):
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # a second KV tier in host memory, per rank: blocks, or bytes (off by default)
+    num_host_kv_blocks: int = 0
+    kv_offload_bytes: int | None = None
+    # batch-invariant numerics: a greedy request's tokens and logprobs do not depend on its batch
+    deterministic: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -884,7 +889,8 @@ def build_app(args: AppArgs | dict | None = None):
         cascade_attention=args.cascade_attention, max_worker_restarts=args.max_worker_restarts,
         worker_restart_window_s=args.worker_restart_window_s, worker_restart_backoff_s=args.worker_restart_backoff_s,
         max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences,
-        max_stop_token_ids=args.max_stop_token_ids,
+        max_stop_token_ids=args.max_stop_token_ids, num_host_kv_blocks=args.num_host_kv_blocks,
+        kv_offload_bytes=args.kv_offload_bytes, deterministic=args.deterministic,
     )
     use_gpu = _use_gpu(args.device, args.accelerator_type)
     # GPU engines on a cluster with no GPU node yet (its GPU workers scaled to zero): the autoscaler

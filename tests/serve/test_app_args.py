@@ -214,3 +214,11 @@ def test_tool_call_parser_reaches_the_ingress(model_dirs):
     assert build_app({"model": model_dirs["llama"]})._bound_deployment.init_args[-1] == "generic"
     with pytest.raises(ValidationError, match="tool_call_parser must be one of generic, hermes, llama3_json, got 'xml'"):
         AppArgs.model_validate({"tool_call_parser": "xml"})
+
+
+def test_host_tier_and_deterministic_settings_reach_the_engine(model_dirs):
+    config = build_app({"model": model_dirs["llama"], "num_host_kv_blocks": 64,
+                        "deterministic": True})._bound_deployment.init_args[0]._bound_deployment.init_args[0]
+    assert config.cache.num_host_kv_blocks == 64 and config.deterministic is True
+    by_bytes = build_app({"model": model_dirs["llama"], "engine_kwargs": {"kv_offload_bytes": 1 << 20}})
+    assert by_bytes._bound_deployment.init_args[0]._bound_deployment.init_args[0].cache.kv_offload_bytes == 1 << 20
