@@ -167,6 +167,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # attend once per step to leading blocks that running requests share (backends that support it)
     cascade_attention: bool = True
+    # batch-invariant serving: a greedy request's tokens and logprobs are the same to the bit whatever
+    # shares its batch, the chunk budget, a prefix-cache hit or a preemption (the compiled CPU kernels)
+    deterministic: bool = False
     # lost ranks are rebuilt at most this many times within the window (then the engine is dead);
     # each rebuild after the first in the window waits restart_backoff_s, doubling
     max_worker_restarts: int = 3
@@ -184,6 +187,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.deterministic and self.attention_backend in ("torch", "triton"):
+            raise ValueError(f"deterministic=True needs attention_backend 'cpu' or 'auto', not {self.attention_backend!r}")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         for name in ("max_n", "max_logprobs", "max_stop_sequences", "max_stop_token_ids"):

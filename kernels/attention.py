@@ -62,6 +62,9 @@ class PagedAttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have one query token each
     cascade: CascadeGroups | None = None
     backend: AttentionBackend | None = None  # None: the torch backend
+    # batch-invariant results (the engine's ``deterministic``): every row reduces in one fixed order,
+    # so a token's output does not depend on the other rows of the step (backends that support it)
+    deterministic: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -69,7 +72,8 @@ class PagedAttentionMetadata:
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu", backend: AttentionBackend | None = None) -> PagedAttentionMetadata:
+              device: torch.device | str = "cpu", backend: AttentionBackend | None = None,
+              deterministic: bool = False) -> PagedAttentionMetadata:
         """Metadata from plain lists (tests, profiling): slots of each sequence's query positions."""
         width = max((len(t) for t in block_tables), default=0)
         slots = [table[p // block_size] * block_size + p % block_size
@@ -88,12 +92,14 @@ class PagedAttentionMetadata:
             context_lens=list(seq_lens),
             num_decodes=num_decodes,
             backend=backend,
+            deterministic=deterministic,
         )
 
 
 class AttentionBackend(Protocol):
     name: str
     supports_cascade: bool
+    supports_deterministic: bool  # honours ``PagedAttentionMetadata.deterministic`` (absent: False)
     layer_ops: object | None  # fused norm / activation / rotary ops for the layers, if the backend has them
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,

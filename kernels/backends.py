@@ -32,6 +32,21 @@ def _triton(device: torch.device) -> tuple[AttentionBackend | None, str]:
     return kt.TritonAttentionBackend(), ""
 
 
+def deterministic_error(backend: AttentionBackend, dtype: torch.dtype) -> str | None:
+    """Why ``backend`` cannot give batch-invariant results (``deterministic=True``) here, or None."""
+    if not getattr(backend, "supports_deterministic", False):
+        why = {
+            "torch": ("plain torch's linear layers reach BLAS, which picks its kernel and its blocking from the "
+                      "number of rows, and its decode attention pads each slice to the slice's longest context"),
+            "triton": "the Triton kernels split keys across programs by the size of the launch",
+        }.get(backend.name, "its reductions depend on the batch")
+        return (f"deterministic=True needs attention_backend='cpu' (the compiled CPU kernels): with the "
+                f"{backend.name} backend {why}")
+    if dtype != torch.float32:
+        return f"deterministic=True runs float32 models only, not {str(dtype).removeprefix('torch.')}"
+    return None
+
+
 def select_backend(name: str, device: torch.device) -> tuple[AttentionBackend, str]:
     """(backend, one line saying which runs and why)."""
     if name not in BACKENDS:

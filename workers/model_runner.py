@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from kernels import PagedAttentionMetadata, select_backend
+from kernels.backends import deterministic_error
 from workers.input_batch import InputBatch, RequestState
 from workers.kv_pool import KVPoolSpec, allocate_kv_pool
 from workers.layers.kernels import bind_cpu_kernels, bind_layer_ops
@@ -42,14 +43,17 @@ class ModelRunner:
         self.kv_spec = KVPoolSpec(num_layers, kv_heads, head_dim, self.block_size, dtype, replicated)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.attention_backend, why = select_backend(config.attention_backend, device)
+        if config.deterministic and (error := deterministic_error(self.attention_backend, dtype)):
+            raise ValueError(error)
         if self.attention_backend.layer_ops is not None:
-            bind_cpu_kernels(self.model, self.attention_backend.layer_ops)
+            bind_cpu_kernels(self.model, self.attention_backend.layer_ops, config.deterministic)
         elif getattr(self.attention_backend, "fused_ops", None) is not None:
             bind_layer_ops(self.model, self.attention_backend.fused_ops)
         if tp.is_first_rank:
-            logger.info(why)
+            logger.info(why + ("; deterministic: fixed-order linear and attention, no shared-prefix groups"
+                               if config.deterministic else ""))
         self.batch = InputBatch(self.block_size, config.max_model_len, device, self.attention_backend,
-                                config.cascade_attention)
+                                config.cascade_attention and not config.deterministic)
         argmax = getattr(self.attention_backend.layer_ops, "argmax", None)
         self.sampler = Sampler(device, config.seed, argmax) if tp.is_first_rank else None
         self.eos_token_ids = tuple(config.model.eos_token_ids)
@@ -64,6 +68,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.batch.update(scheduler_output)
         batch = self.batch.prepare(scheduler_output)
+        batch.attn_meta.deterministic = self.config.deterministic
         forward_start = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sample_rows else None

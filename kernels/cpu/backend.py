@@ -16,6 +16,7 @@ _EMPTY_TABLE = torch.zeros(0, 0, dtype=torch.int32)
 class CpuAttentionBackend:
     name = "cpu"
     supports_cascade = True
+    supports_deterministic = True  # fixed-order attention and linear layers (``meta.deterministic``)
 
     def __init__(self, ops) -> None:
         self.ops = ops  # torch.ops.kvserve_cpu
@@ -34,4 +35,4 @@ class CpuAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-        return self._attend(query, key, value, k_pool, v_pool, *self.metadata_args(meta), scale)
+        return self._attend(query, key, value, k_pool, v_pool, *self.metadata_args(meta), scale, meta.deterministic)

@@ -8,6 +8,8 @@
 // (workers/models/llama.py with the compiled ops bound), so the result is the same to the bit; what
 // goes is the Python and dispatcher work between them: about 100 us per layer per step. Each op
 // keeps its profiler scope under its own name, so a profile splits the stack as it splits the layers.
+// fixed_order (the engine's deterministic mode): the fixed-order linear and attention orders, as the
+// layers bound in that mode run them.
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -25,7 +27,7 @@ constexpr int64_t kPerLayer = 10;  // in_norm, Wqkv, bqkv, Wo, bo, post_norm, Wg
 // A profiler scope named as the registered op (free when no profiler runs).
 #define KVSERVE_SCOPE(op) RECORD_FUNCTION("kvserve_cpu::" op, std::vector<c10::IValue>())
 
-at::Tensor stack_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+at::Tensor stack_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fixed_order);
 
 c10::optional<at::Tensor> bias_of(const at::Tensor& b) {
   if (!b.defined() || b.numel() == 0) return c10::nullopt;
@@ -38,7 +40,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
                          const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                          const at::Tensor& group_member_start, const at::Tensor& group_members, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool fixed_order) {
   const int64_t layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
               "decoder_stack takes ", kPerLayer, " weight tensors per layer");
@@ -57,7 +59,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
       KVSERVE_SCOPE("fused_add_rms_norm");
       kvserve::fused_add_rms_norm(h, residual, w[0], eps);
     }
-    const at::Tensor qkv = stack_linear(h, w[1], w[2]);
+    const at::Tensor qkv = stack_linear(h, w[1], w[2], fixed_order);
     TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width, "the qkv projection does not match the head counts");
     at::Tensor q = qkv.narrow(1, 0, q_width);
     at::Tensor k = qkv.narrow(1, q_width, kv_width);
@@ -73,28 +75,28 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
       attn = kvserve::paged_attention(
           q.view({t, num_heads, head_dim}), k.view({t, num_kv_heads, head_dim}), v.view({t, num_kv_heads, head_dim}),
           k_pool, v_pool, slot_mapping, block_tables, query_start_loc, seq_lens, kv_starts, group_block_tables,
-          group_lens, group_member_start, group_members, scale);
+          group_lens, group_member_start, group_members, scale, fixed_order);
     }
-    h = stack_linear(attn.view({t, q_width}), w[3], w[4]);
+    h = stack_linear(attn.view({t, q_width}), w[3], w[4], fixed_order);
     {
       KVSERVE_SCOPE("fused_add_rms_norm");
       kvserve::fused_add_rms_norm(h, residual, w[5], eps);
     }
-    at::Tensor act = stack_linear(h, w[6], w[7]);
+    at::Tensor act = stack_linear(h, w[6], w[7], fixed_order);
     {
       KVSERVE_SCOPE("silu_and_mul");
       act = kvserve::silu_and_mul(act);
     }
-    h = stack_linear(act, w[8], w[9]);
+    h = stack_linear(act, w[8], w[9], fixed_order);
   }
   KVSERVE_SCOPE("fused_add_rms_norm");
   kvserve::fused_add_rms_norm(h, residual, final_norm, eps);
   return h;
 }
 
-at::Tensor stack_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+at::Tensor stack_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fixed_order) {
   KVSERVE_SCOPE("linear");
-  return kvserve::linear(x, weight, bias_of(bias));
+  return fixed_order ? kvserve::linear_fixed_order(x, weight, bias_of(bias)) : kvserve::linear(x, weight, bias_of(bias));
 }
 
 }  // namespace
@@ -105,7 +107,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
       "Tensor(c!)[] v_pools, Tensor cos_sin_cache, Tensor final_norm, Tensor slot_mapping, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, Tensor group_block_tables, Tensor group_lens, "
       "Tensor group_member_start, Tensor group_members, int num_heads, int num_kv_heads, int head_dim, float eps, "
-      "float scale) -> Tensor");
+      "float scale, bool fixed_order=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {

@@ -14,6 +14,8 @@ class CpuLayerOps:
         self.ops = ops  # torch.ops.kvserve_cpu
         self.attention_args = attention_args  # PagedAttentionMetadata -> the metadata tensors the ops take
         self.linear = ops.linear.default  # F.linear; float32 batches of up to 512 rows split across threads
+        # F.linear with every output element reduced in one fixed order (batch-invariant), float32
+        self.linear_fixed_order = ops.linear_fixed_order.default
         self.rms_norm = ops.rms_norm.default  # (x, weight, eps) -> normed
         self.silu_and_mul = ops.silu_and_mul.default  # [.., 2d] -> silu(gate) * up, [.., d]
         self.argmax = ops.argmax_rows.default  # float32 [rows, n] -> argmax(dim=-1), int64 [rows]
@@ -55,6 +57,7 @@ class DecoderStack:
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
         """hidden: the embedded tokens [T, hidden] (updated in place as the residual stream) -> the
-        final norm's output."""
+        final norm's output. ``meta.deterministic`` runs the fixed-order linear and attention."""
         return self.op(hidden, positions, self.weights, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
-                       self.cos_sin_cache, self.final_norm, *self.attention_args(meta), *self.shape)
+                       self.cos_sin_cache, self.final_norm, *self.attention_args(meta), *self.shape,
+                       meta.deterministic)

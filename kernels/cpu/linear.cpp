@@ -10,9 +10,12 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "vec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
@@ -72,7 +75,95 @@ bool linear_split(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
   return true;
 }
 
+// Fixed-order product (the engine's deterministic mode). Every output element is one multiply-add
+// chain over the input features in order, k = 0 .. K-1, then + bias: its bits depend on its own row
+// and column only, never on how many rows the batch has, where the row sits, or how many threads
+// run. (BLAS picks its kernel and its K blocking from the shape: with MKL a row's result changes
+// between 1 and 2 rows, and again past 16 or 192 rows for some shapes.) A register tile is 4 rows
+// x 64 columns; a tail of fewer rows repeats the last row into the tile and keeps only its own
+// results, so every row runs the very same code. Columns are split into 64-wide panels across
+// threads; a panel's columns past a multiple of 16 take a scalar fused multiply-add chain.
+constexpr int kFixedRows = 4;
+constexpr int64_t kFixedPanel = 4 * W;
+
+template <int NC>
+void fixed_tile(const float* const* xr, const float* w, int64_t ldw, int64_t k, const float* bias, float* const* outr,
+                int rows) {
+  vf a[kFixedRows][NC];
+  for (int b = 0; b < kFixedRows; ++b)
+    for (int c = 0; c < NC; ++c) a[b][c] = vf{};
+  for (int64_t i = 0; i < k; ++i) {
+    const float* wi = w + i * ldw;
+    vf wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = vload(wi + c * W);
+    for (int b = 0; b < kFixedRows; ++b) {
+      const float xv = xr[b][i];
+      for (int c = 0; c < NC; ++c) a[b][c] += xv * wv[c];
+    }
+  }
+  for (int b = 0; b < rows; ++b)
+    for (int c = 0; c < NC; ++c) vstore(outr[b] + c * W, bias ? a[b][c] + vload(bias + c * W) : a[b][c]);
+}
+
+// out [M, N] = x [M, K] @ wt [K, N] (+ bias), every element in the fixed order above.
+void linear_fixed_impl(const float* x, int64_t m, int64_t k, const float* wt, int64_t ldw, int64_t n, const float* bias,
+                       float* out) {
+  const int64_t panels = (n + kFixedPanel - 1) / kFixedPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kFixedPanel, width = std::min(kFixedPanel, n - n0);
+      const int nc = static_cast<int>(width / W);
+      for (int64_t r0 = 0; r0 < m; r0 += kFixedRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kFixedRows, m - r0));
+        const float* xr[kFixedRows];
+        float* outr[kFixedRows];
+        for (int b = 0; b < kFixedRows; ++b) {
+          const int64_t r = r0 + std::min(b, rows - 1);
+          xr[b] = x + r * k;
+          outr[b] = out + r * n + n0;
+        }
+        const float* wp = wt + n0;
+        const float* bp = bias ? bias + n0 : nullptr;
+        switch (nc) {
+          case 4: fixed_tile<4>(xr, wp, ldw, k, bp, outr, rows); break;
+          case 3: fixed_tile<3>(xr, wp, ldw, k, bp, outr, rows); break;
+          case 2: fixed_tile<2>(xr, wp, ldw, k, bp, outr, rows); break;
+          case 1: fixed_tile<1>(xr, wp, ldw, k, bp, outr, rows); break;
+          default: break;
+        }
+        for (int64_t col = n0 + nc * W; col < n0 + width; ++col)
+          for (int b = 0; b < rows; ++b) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < k; ++i) acc = std::fma(xr[b][i], wt[i * ldw + col], acc);
+            outr[b][col - n0] = bias ? acc + bias[col] : acc;
+          }
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// F.linear with every output element reduced in one fixed order (see linear_fixed_impl): float32.
+at::Tensor linear_fixed_order(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "the fixed-order linear takes float32 inputs and weights");
+  TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "x and weight do not match");
+  const int64_t k = weight.size(1), n = weight.size(0);
+  // the transpose of a contiguous [in, out] matrix (the layout workers/layers/kernels.py gives), else a copy of it
+  const at::Tensor wt = weight.stride(0) == 1 && weight.stride(1) == n ? weight.t() : weight.t().contiguous();
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bad bias");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({x2.size(0), n}, x.options());
+  linear_fixed_impl(x2.data_ptr<float>(), x2.size(0), k, wt.data_ptr<float>(), n, n, bp, out.data_ptr<float>());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return out.view(shape);
+}
 
 // F.linear, through linear_split for float32 batches of up to kSplitMaxRows rows.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -85,10 +176,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_fixed_order(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("linear_fixed_order", &linear_fixed_order);
 }
 
 }  // namespace kvserve

@@ -16,12 +16,14 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
 
 // linear.cpp
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_fixed_order(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 // paged_attention.cpp
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool,
                            at::Tensor& v_pool, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
                            const at::Tensor& group_block_tables, const at::Tensor& group_lens,
-                           const at::Tensor& group_member_start, const at::Tensor& group_members, double scale);
+                           const at::Tensor& group_member_start, const at::Tensor& group_members, double scale,
+                           bool fixed_order = false);
 
 }  // namespace kvserve

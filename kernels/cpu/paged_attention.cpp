@@ -15,6 +15,12 @@
 // Work is split into items (sequence or group) x KV head x tile of query tokens; all query heads of
 // one KV head form the rows of a tile, so K/V are never repeated for grouped-query attention. Items
 // are handed out dynamically to torch's intra-op threads.
+//
+// Fixed order (the engine's deterministic mode): every row takes the row-vectorised path, whatever
+// the number of rows in its item. A row's arithmetic then depends on nothing but its own query and
+// keys: scores are one multiply-add chain over head_dim, each 32-key tile (from position 0) is
+// reduced in key order, and a tile's keys beyond the row's limit add exact zeros. So a token gets
+// the same bits in a decode step and in a prefill chunk of any size, beside any other sequences.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -58,6 +64,7 @@ struct Problem {
   int64_t out_tok_stride;
   float* lse;  // [tokens, heads], written by the group pass, read by the suffix pass
   float scale;
+  bool fixed_order;  // every row on the row-vectorised path (see the top of this file)
 };
 
 // Per-thread scratch, grown once and reused across calls.
@@ -165,7 +172,8 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     kv_end = std::max(kv_end, limits[i]);
     min_limit = std::min(min_limit, limits[i]);
   }
-  const bool by_rows = rows >= W / 2;  // scores vectorised over rows; else over head_dim
+  // scores vectorised over rows; else over head_dim (decode-sized items, unless the order is fixed)
+  const bool by_rows = p.fixed_order || rows >= W / 2;
 
   for (int r = 0; r < rows; ++r) {
     const int tok = tokens[r / g];
@@ -584,7 +592,7 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& kv_starts, const at::Tensor& group_block_tables,
                      const at::Tensor& group_lens, const at::Tensor& group_member_start,
-                     const at::Tensor& group_members, double scale) {
+                     const at::Tensor& group_members, double scale, bool fixed_order) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim], last axis contiguous");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), "out must be a contiguous tensor shaped as query");
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes(),
@@ -627,6 +635,7 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
     p.out_tok_stride = out.stride(0);
     p.lse = lse.defined() ? lse.data_ptr<float>() : nullptr;
     p.scale = static_cast<float>(scale);
+    p.fixed_order = fixed_order;
     auto run = [&](auto dim) {
       paged_attention_impl<scalar_t, decltype(dim)::value>(p, block_tables, query_start_loc, seq_lens, kv_starts,
                                                            group_block_tables, group_lens, group_member_start,
@@ -651,11 +660,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            at::Tensor& v_pool, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
                            const at::Tensor& group_block_tables, const at::Tensor& group_lens,
-                           const at::Tensor& group_member_start, const at::Tensor& group_members, double scale) {
+                           const at::Tensor& group_member_start, const at::Tensor& group_members, double scale,
+                           bool fixed_order) {
   store_kv(key, value, k_pool, v_pool, slot_mapping);
   at::Tensor out = at::empty(query.sizes(), query.options());
   paged_attention_out(out, query, k_pool, v_pool, block_tables, query_start_loc, seq_lens, kv_starts,
-                      group_block_tables, group_lens, group_member_start, group_members, scale);
+                      group_block_tables, group_lens, group_member_start, group_members, scale, fixed_order);
   return out;
 }
 
@@ -664,7 +674,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, "
       "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, "
       "Tensor group_block_tables, Tensor group_lens, Tensor group_member_start, Tensor group_members, "
-      "float scale) -> Tensor");
+      "float scale, bool fixed_order=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
