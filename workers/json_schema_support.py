@@ -45,6 +45,7 @@ def check_json_schema(schema, where: str = "the schema", root=None) -> None:
         raise ValueError(f"JSON schema keyword 'multipleOf' (at {where}) is supported on integers only.")
     if schema.get("uniqueItems") is True:
         raise ValueError(f"JSON schema keyword 'uniqueItems' (at {where}) is not supported by structured outputs.")
+    _check_combinations(schema, where)
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         raise ValueError(f"JSON schema keyword 'allOf' with more than one schema (at {where}) is not "
                          f"supported by structured outputs.")
@@ -73,6 +74,41 @@ def check_json_schema(schema, where: str = "the schema", root=None) -> None:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
                 check_json_schema(sub, f"{where}.{key}.{name}", root)
+
+
+# keywords that assert nothing (and where further schemas live): fine beside 'enum' / 'const'
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "$id", "$schema", "$anchor", "discriminator", "$defs", "definitions"})
+_IS_TYPE = {
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer(),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool), "null": lambda v: v is None,
+    "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict),
+}
+
+
+def _check_combinations(schema: dict, where: str) -> None:
+    """Keywords xgrammar drops when another is present: everything beside 'enum' / 'const' but their
+    type, and minLength / maxLength beside 'format' or 'pattern'."""
+    if "enum" in schema or "const" in schema:
+        name = "const" if "const" in schema else "enum"
+        values = [schema["const"]] if name == "const" else schema["enum"]
+        declared = schema.get("type")
+        declared = [declared] if isinstance(declared, str) else declared
+        if isinstance(declared, list) and isinstance(values, list):
+            for value in values:
+                if not any(_IS_TYPE.get(t, lambda v: False)(value) for t in declared):
+                    raise ValueError(f"JSON schema {name} value {value!r} (at {where}) is not of its declared type "
+                                     f"{schema['type']!r}.")
+        others = sorted(set(schema) - _ANNOTATIONS - {"enum", "const", "type"})
+        if others:
+            raise ValueError(f"JSON schema keyword {others[0]!r} beside {name!r} (at {where}) is not supported by "
+                             f"structured outputs.")
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    shapes = [k for k in ("format", "pattern") if k in schema]
+    if lengths and shapes:
+        raise ValueError(f"JSON schema keyword {lengths[0]!r} beside {shapes[0]!r} (at {where}) is not supported by "
+                         f"structured outputs.")
 
 
 def _resolve(schema, root, depth: int = 0):

@@ -121,12 +121,16 @@ def test_added_tokens_that_are_not_special_are_their_text(model_dirs, tmp_path):
      "'not' (at the schema.properties.x.anyOf[1])"),
     ({"$defs": {"a": {"type": "array", "maxContains": 2}}, "$ref": "#/$defs/a"}, "(at the schema.$defs.a)"),
     ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems'"),
+    ({"type": "string", "format": "email", "maxLength": 8}, "'maxLength' beside 'format'"),  # xgrammar drops the length
+    ({"type": "string", "pattern": "^a+$", "minLength": 3}, "'minLength' beside 'pattern'"),
+    ({"type": "integer", "enum": ["a", 1]}, "enum value 'a' (at the schema) is not of its declared type"),
+    ({"const": "ab", "minLength": 5}, "'minLength' beside 'const'"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf'"),  # 5 matches both
     ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
                 {"type": "object", "properties": {"k": {"enum": ["b", "a"]}}, "required": ["k"]}]}, "'oneOf'"),
 ])
 def test_keywords_xgrammar_would_not_enforce_are_refused(schema, named):
-    with pytest.raises(ValueError, match="not supported|do not support|supported on integers only|supported only when") as info:
+    with pytest.raises(ValueError, match="not supported|do not support|supported on integers only|supported only when|declared type") as info:
         check_json_schema(schema)
     assert named in str(info.value)
 
@@ -145,6 +149,7 @@ def test_one_of_schemas_that_cannot_overlap_are_enforced(tokenizer, manager):
     assert accepts(manager.backend, compiled, tokenizer, '{"pet": {"kind": "dog", "bark": "woof"}}')
     assert not accepts(manager.backend, compiled, tokenizer, '{"pet": {"kind": "dog", "lives": 9}}', end=False)
     check_json_schema({"oneOf": [{"type": "integer"}, {"type": ["string", "null"]}, {"const": True}]})
+    check_json_schema({"type": "string", "const": "cat", "title": "Kind"})  # pydantic's Literal: type and title
 
 
 def test_property_names_that_look_like_keywords_are_just_names(manager):
