@@ -82,17 +82,21 @@ bool linear_split(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
 // between 1 and 2 rows, and again past 16 or 192 rows for some shapes.) A register tile is 4 rows
 // x 64 columns; a tail of fewer rows repeats the last row into the tile and keeps only its own
 // results, so every row runs the very same code. Columns are split into 64-wide panels across
-// threads; a panel's columns past a multiple of 16 take a scalar fused multiply-add chain.
+// threads; a panel's columns past a multiple of 16 take a scalar fused multiply-add chain. Each
+// panel is run 128 inputs at a time (its weights then stay in L1 while every row tile passes).
 constexpr int kFixedRows = 4;
 constexpr int64_t kFixedPanel = 4 * W;
+constexpr int64_t kFixedDepth = 128;  // inputs per pass over a panel: 128 x 64 weights (32 KiB) stay in L1
 
+// acc (rows x NC vectors of out) continues its chains over the inputs [k0, k1): the accumulators go
+// through memory between passes, which leaves each chain's order as it is.
 template <int NC>
-void fixed_tile(const float* const* xr, const float* w, int64_t ldw, int64_t k, const float* bias, float* const* outr,
-                int rows) {
+void fixed_tile(const float* const* xr, const float* w, int64_t ldw, int64_t k0, int64_t k1, const float* bias,
+                float* const* outr, int rows) {
   vf a[kFixedRows][NC];
   for (int b = 0; b < kFixedRows; ++b)
-    for (int c = 0; c < NC; ++c) a[b][c] = vf{};
-  for (int64_t i = 0; i < k; ++i) {
+    for (int c = 0; c < NC; ++c) a[b][c] = k0 == 0 ? vf{} : vload(outr[b] + c * W);
+  for (int64_t i = k0; i < k1; ++i) {
     const float* wi = w + i * ldw;
     vf wv[NC];
     for (int c = 0; c < NC; ++c) wv[c] = vload(wi + c * W);
@@ -113,31 +117,36 @@ void linear_fixed_impl(const float* x, int64_t m, int64_t k, const float* wt, in
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kFixedPanel, width = std::min(kFixedPanel, n - n0);
       const int nc = static_cast<int>(width / W);
-      for (int64_t r0 = 0; r0 < m; r0 += kFixedRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kFixedRows, m - r0));
-        const float* xr[kFixedRows];
-        float* outr[kFixedRows];
-        for (int b = 0; b < kFixedRows; ++b) {
-          const int64_t r = r0 + std::min(b, rows - 1);
-          xr[b] = x + r * k;
-          outr[b] = out + r * n + n0;
-        }
-        const float* wp = wt + n0;
-        const float* bp = bias ? bias + n0 : nullptr;
-        switch (nc) {
-          case 4: fixed_tile<4>(xr, wp, ldw, k, bp, outr, rows); break;
-          case 3: fixed_tile<3>(xr, wp, ldw, k, bp, outr, rows); break;
-          case 2: fixed_tile<2>(xr, wp, ldw, k, bp, outr, rows); break;
-          case 1: fixed_tile<1>(xr, wp, ldw, k, bp, outr, rows); break;
-          default: break;
-        }
-        for (int64_t col = n0 + nc * W; col < n0 + width; ++col)
-          for (int b = 0; b < rows; ++b) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < k; ++i) acc = std::fma(xr[b][i], wt[i * ldw + col], acc);
-            outr[b][col - n0] = bias ? acc + bias[col] : acc;
+      const float* wp = wt + n0;
+      for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += kFixedDepth) {
+        const int64_t k1 = std::min(k, k0 + kFixedDepth);
+        const float* bp = bias && k1 == k ? bias + n0 : nullptr;  // the bias once the chains are complete
+        for (int64_t r0 = 0; r0 < m; r0 += kFixedRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kFixedRows, m - r0));
+          const float* xr[kFixedRows];
+          float* outr[kFixedRows];
+          for (int b = 0; b < kFixedRows; ++b) {
+            const int64_t r = r0 + std::min(b, rows - 1);
+            xr[b] = x + r * k;
+            outr[b] = out + r * n + n0;
           }
+          switch (nc) {
+            case 4: fixed_tile<4>(xr, wp, ldw, k0, k1, bp, outr, rows); break;
+            case 3: fixed_tile<3>(xr, wp, ldw, k0, k1, bp, outr, rows); break;
+            case 2: fixed_tile<2>(xr, wp, ldw, k0, k1, bp, outr, rows); break;
+            case 1: fixed_tile<1>(xr, wp, ldw, k0, k1, bp, outr, rows); break;
+            default: break;
+          }
+        }
+        if (k1 >= k) break;
       }
+      for (int64_t col = n0 + nc * W; col < n0 + width; ++col)  // the panel's last columns, one chain each
+        for (int64_t r = 0; r < m; ++r) {
+          const float* xrow = x + r * k;
+          float acc = 0.0f;
+          for (int64_t i = 0; i < k; ++i) acc = std::fma(xrow[i], wt[i * ldw + col], acc);
+          out[r * n + col] = bias ? acc + bias[col] : acc;
+        }
     }
   });
 }
