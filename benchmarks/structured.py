@@ -50,7 +50,7 @@ def add_bench_structured_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: the llama `small` preset, built if missing)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=256, help="constrained requests' max_tokens")
+    parser.add_argument("--max-tokens", type=int, default=128, help="constrained requests' max_tokens")
     parser.add_argument("--rounds", type=int, default=3, help="constrained / unconstrained pairs, alternating")
     parser.add_argument("--compiles", type=int, default=10, help="new schemas compiled for the compile time")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -66,10 +66,20 @@ def _prompts(model_dir: str, num_requests: int, prompt_len: int) -> list[dict]:
     return [{"prompt_token_ids": p} for p in independent(model_dir, num_requests, prompt_len, 1).prompts]
 
 
-def _timed(llm, prompts, params) -> tuple[float, list]:
+def _timed(llm, prompts, params) -> tuple[float, list, dict]:
+    """(wall seconds, outputs, the run's step figures: steps, ms per step, of it ms in the forward,
+    and CPU seconds of this process)."""
+    before, cpu = llm.stats(), time.process_time()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
-    return time.perf_counter() - start, outputs
+    elapsed = time.perf_counter() - start
+    after = llm.stats()
+    steps = after["num_steps"] - before["num_steps"]
+    figures = {"steps": steps, "cpu_s": time.process_time() - cpu,
+               "step_ms": 1000 * (after["step_time_s"] - before["step_time_s"]) / steps,
+               "forward_ms": 1000 * (after["forward_time_s"] - before["forward_time_s"]) / steps}
+    figures["outside_forward_ms"] = figures["step_ms"] - figures["forward_ms"]
+    return elapsed, outputs, figures
 
 
 def _tokens(outputs) -> int:
@@ -84,9 +94,9 @@ def _unconstrained_only(llm, prompts, args) -> dict:
     llm.generate(prompts[:2], params[:2])  # warm-up
     rounds = []
     for _ in range(args.rounds):
-        elapsed, outputs = _timed(llm, prompts, params)
+        elapsed, outputs, figures = _timed(llm, prompts, params)
         rounds.append({"elapsed_s": elapsed, "output_tokens": _tokens(outputs),
-                       "output_tokens_per_s": _tokens(outputs) / elapsed})
+                       "output_tokens_per_s": _tokens(outputs) / elapsed, **figures})
     return {"rounds": rounds, "best_output_tokens_per_s": max(r["output_tokens_per_s"] for r in rounds),
             "median_output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in rounds)}
 
@@ -119,20 +129,29 @@ def _constrained_vs_unconstrained(llm, prompts, args) -> dict:
     llm.generate(prompts[:2], constrained[:2])  # warm-up, and the schema compiled (then a cache hit)
     rounds = []
     for _ in range(args.rounds):
-        c_elapsed, c_out = _timed(llm, prompts, constrained)
+        c_elapsed, c_out, c_fig = _timed(llm, prompts, constrained)
         lengths = [len(o.outputs[0].token_ids) for o in c_out]
         free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
-        u_elapsed, u_out = _timed(llm, prompts, free)
+        u_elapsed, u_out, u_fig = _timed(llm, prompts, free)
         assert [len(o.outputs[0].token_ids) for o in u_out] == lengths
         stopped = [o.outputs[0] for o in c_out if o.outputs[0].finish_reason == "stop"]
         for sample in stopped:
             jsonschema.validate(json.loads(sample.text), SCHEMA)
         c_rate, u_rate = sum(lengths) / c_elapsed, sum(lengths) / u_elapsed
+        # the forward is the same work in both runs (same tokens, same batches): with the forward time
+        # both had, the ratio that the engine's time outside the forward alone makes
+        forward = (c_fig["forward_ms"] + u_fig["forward_ms"]) / 2
         rounds.append({"output_tokens": sum(lengths), "stopped_and_valid": len(stopped),
                        "constrained_s": c_elapsed, "unconstrained_s": u_elapsed,
-                       "constrained_tok_s": c_rate, "unconstrained_tok_s": u_rate, "ratio": c_rate / u_rate})
+                       "constrained_tok_s": c_rate, "unconstrained_tok_s": u_rate, "ratio": c_rate / u_rate,
+                       "cpu_ratio": u_fig["cpu_s"] / c_fig["cpu_s"],
+                       "same_forward_ratio": (forward + u_fig["outside_forward_ms"])
+                       / (forward + c_fig["outside_forward_ms"]),
+                       "constrained": c_fig, "unconstrained": u_fig})
     ratios = [r["ratio"] for r in rounds]
-    return {"rounds": rounds, "median_ratio": statistics.median(ratios), "best_ratio": max(ratios)}
+    return {"rounds": rounds, "median_ratio": statistics.median(ratios), "best_ratio": max(ratios),
+            "median_same_forward_ratio": statistics.median(r["same_forward_ratio"] for r in rounds),
+            "median_cpu_ratio": statistics.median(r["cpu_ratio"] for r in rounds)}
 
 
 def bench_structured(args: argparse.Namespace) -> dict:
@@ -150,7 +169,9 @@ def bench_structured(args: argparse.Namespace) -> dict:
     max_len = args.prompt_len + max(args.max_tokens, args.output_len)
     result = {"model": model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
               "threads": args.threads, "argv": sys.argv}
-    with LLM(model=model, max_model_len=max_len, max_num_seqs=max(64, args.num_requests)) as llm:
+    # prefix caching off: every run prefills its prompts (the runs share them)
+    with LLM(model=model, max_model_len=max_len, max_num_seqs=max(64, args.num_requests),
+             enable_prefix_caching=False) as llm:
         if args.unconstrained_only:
             result["unconstrained"] = _unconstrained_only(llm, prompts, args)
             return result
@@ -165,7 +186,8 @@ def format_result(result: dict) -> str:
     if "unconstrained" in result:
         for i, r in enumerate(result["unconstrained"]["rounds"]):
             lines.append(f"round {i}: {r['output_tokens']} tokens in {r['elapsed_s']:.2f} s = "
-                         f"{r['output_tokens_per_s']:.1f} tok/s")
+                         f"{r['output_tokens_per_s']:.1f} tok/s ({r['cpu_s']:.2f} CPU s); per step: forward "
+                         f"{r['forward_ms']:.1f} ms, outside it {r['outside_forward_ms']:.2f} ms")
         u = result["unconstrained"]
         lines.append(f"unconstrained: best {u['best_output_tokens_per_s']:.1f} tok/s, "
                      f"median {u['median_output_tokens_per_s']:.1f} tok/s")
@@ -175,11 +197,17 @@ def format_result(result: dict) -> str:
                  f"(backend start-up included), then median {1000 * c['median_s']:.2f} ms, "
                  f"max {1000 * c['max_s']:.2f} ms over {c['count']}")
     for i, r in enumerate(result["throughput"]["rounds"]):
+        c, u = r["constrained"], r["unconstrained"]
         lines.append(f"round {i}: {r['output_tokens']} tokens ({r['stopped_and_valid']} requests stopped, all "
                      f"valid): constrained {r['constrained_tok_s']:.1f} tok/s, unconstrained "
-                     f"{r['unconstrained_tok_s']:.1f} tok/s, ratio {r['ratio']:.3f}")
+                     f"{r['unconstrained_tok_s']:.1f} tok/s, ratio {r['ratio']:.3f} (CPU time {r['cpu_ratio']:.3f}); "
+                     f"per step: forward {c['forward_ms']:.1f} / {u['forward_ms']:.1f} ms, outside it "
+                     f"{c['outside_forward_ms']:.2f} / {u['outside_forward_ms']:.2f} ms "
+                     f"(same forward: {r['same_forward_ratio']:.3f})")
     t = result["throughput"]
-    lines.append(f"constrained / unconstrained: median {t['median_ratio']:.3f}, best {t['best_ratio']:.3f}")
+    lines.append(f"constrained / unconstrained: median {t['median_ratio']:.3f}, best {t['best_ratio']:.3f}; "
+                 f"CPU time median {t['median_cpu_ratio']:.3f}; "
+                 f"same forward median {t['median_same_forward_ratio']:.3f}")
     return "\n".join(lines)
 
 

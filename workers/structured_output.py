@@ -111,7 +111,8 @@ class XgrammarBackend:
                 try:
                     schema = json.loads(spec)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"invalid JSON schema for structured outputs: it is not valid JSON ({exc}).") from None
+                    raise ValueError(f"invalid JSON schema for structured outputs: it is not valid JSON "
+                                     f"({exc}).") from None
             check_json_schema(schema)
         try:
             if kind == "json":
