@@ -16,11 +16,13 @@
 // one KV head form the rows of a tile, so K/V are never repeated for grouped-query attention. Items
 // are handed out dynamically to torch's intra-op threads.
 //
-// Fixed order (the engine's deterministic mode): every row takes the row-vectorised path, whatever
-// the number of rows in its item. A row's arithmetic then depends on nothing but its own query and
-// keys: scores are one multiply-add chain over head_dim, each 32-key tile (from position 0) is
-// reduced in key order, and a tile's keys beyond the row's limit add exact zeros. So a token gets
-// the same bits in a decode step and in a prefill chunk of any size, beside any other sequences.
+// Fixed order (the engine's deterministic mode): every row takes the few-rows path (vectorised over
+// head_dim), whatever the number of rows in its item. A row's arithmetic then depends on nothing but
+// its own query and keys: each score is the same lanes' chains reduced by the same tree, each 32-key
+// tile (from position 0) is reduced in the same lanes, and a tile's keys beyond the row's limit add
+// exact zeros. So a token gets the same bits in a decode step and in a prefill chunk of any size,
+// beside any other sequences. (The row-vectorised path would do too, but pads a decode's few rows
+// to 16 lanes: the few-rows path keeps decodes at their usual cost and slows prefill chunks instead.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -64,7 +66,7 @@ struct Problem {
   int64_t out_tok_stride;
   float* lse;  // [tokens, heads], written by the group pass, read by the suffix pass
   float scale;
-  bool fixed_order;  // every row on the row-vectorised path (see the top of this file)
+  bool fixed_order;  // every row on the few-rows path (see the top of this file)
 };
 
 // Per-thread scratch, grown once and reused across calls.
@@ -172,8 +174,8 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     kv_end = std::max(kv_end, limits[i]);
     min_limit = std::min(min_limit, limits[i]);
   }
-  // scores vectorised over rows; else over head_dim (decode-sized items, unless the order is fixed)
-  const bool by_rows = p.fixed_order || rows >= W / 2;
+  // scores vectorised over rows; else over head_dim (decode-sized items, and every item in fixed order)
+  const bool by_rows = !p.fixed_order && rows >= W / 2;
 
   for (int r = 0; r < rows; ++r) {
     const int tok = tokens[r / g];
