@@ -102,6 +102,12 @@ def test_default_mode_is_not_batch_invariant(model_dirs):
     assert any(r != alone for r in results)
 
 
-def test_refused_where_it_cannot_hold(model_dirs):
-    with pytest.raises(ValueError, match="deterministic=True needs attention_backend 'cpu' or 'auto'"):
-        LLM(model=model_dirs["llama"], attention_backend="torch", deterministic=True)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_refused_with_other_backends(backend, model_dirs):
+    with pytest.raises(ValueError, match=f"deterministic=True needs attention_backend 'cpu' or 'auto', not '{backend}'"):
+        LLM(model=model_dirs["llama"], attention_backend=backend, deterministic=True)
+
+
+def test_refused_for_half_precision(model_dirs):
+    with pytest.raises(ValueError, match="deterministic=True runs float32 models only, not bfloat16"):
+        LLM(model=model_dirs["llama"], attention_backend="cpu", dtype="bfloat16", deterministic=True)
