@@ -97,11 +97,11 @@ class PoisonedSampler:
         self.inner, self.after, self.raised = runner.sampler, after, 0
         runner.sampler = self
 
-    def __call__(self, logits, rows):
+    def __call__(self, logits, rows, *args, **kwargs):
         if any(r.params.seed == POISON_SEED and r.num_output_tokens >= self.after for r in rows):
             self.raised += 1
             raise OverflowError("Python int too large to convert to C long")
-        return self.inner(logits, rows)
+        return self.inner(logits, rows, *args, **kwargs)
 
 
 def poisoned(n: int = 1) -> SamplingParams:

@@ -282,6 +282,10 @@ def test_prometheus_scrapes_the_app_and_answers_every_dashboard_query(app, llm, 
                 async def scraped_once() -> bool:
                     return [r["value"][1] for r in await query('up{job="kvserve"}')] == ["1"]
 
+                async def ready() -> bool:  # it answers 503 "Service Unavailable" while its storage opens
+                    return (await http.get(f"http://127.0.0.1:{prom_port}/-/ready")).status_code == 200
+
+                await until(ready, "Prometheus to be ready", timeout_s=60)
                 await until(scraped_once, "a first successful scrape")
                 base = f"http://127.0.0.1:{app_port}"
                 bodies = [(prompts[3], 6), (prompts[4], 4), (prompts[2], 8)]
