@@ -111,3 +111,19 @@ def test_refused_with_other_backends(backend, model_dirs):
 def test_refused_for_half_precision(model_dirs):
     with pytest.raises(ValueError, match="deterministic=True runs float32 models only, not bfloat16"):
         LLM(model=model_dirs["llama"], attention_backend="cpu", dtype="bfloat16", deterministic=True)
+
+
+def test_small_preset(tmp_path_factory):
+    """The `small` shapes (head_dim 64, 4 query heads per KV head, a 1408-input down projection, whose
+    BLAS product changes its blocking past 192 rows on one thread): alone with the whole prompt in
+    one chunk, against 12 others under a 64-token budget in a pool small enough to preempt."""
+    from workers.model_builder import make_model
+
+    model = str(make_model("llama", "small", tmp_path_factory.mktemp("small") / "llama-small", seed=0))
+    prompt = target_prompt()
+    with engine(model, enable_prefix_caching=False, max_model_len=400, max_num_batched_tokens=400) as llm:
+        alone, _ = run_with_others(llm, prompt, 0, 0)
+    with engine(model, block_size=16, num_kv_blocks=40, max_model_len=400, max_num_batched_tokens=64,
+                max_num_seqs=16) as llm:
+        assert run_with_others(llm, prompt, 12, seed=8)[0] == alone
+        assert llm.stats()["num_preemptions"] > 0
