@@ -28,7 +28,9 @@ from benchmarks.report import format_console, write_report
 from benchmarks.targets import evaluate_targets, vllm_ratios
 from benchmarks.workloads import WORKLOADS, build_workload
 
-OFFLINE_SYSTEMS = ("hf-static", "hf-continuous", "kvserve-nocache", "kvserve-cache", "vllm-nocache", "vllm-cache")
+OFFLINE_SYSTEMS = ("hf-static", "hf-continuous", "kvserve-nocache", "kvserve-cache", "kvserve-deterministic",
+                   "vllm-nocache", "vllm-cache")
+OPT_IN_SYSTEMS = ("kvserve-deterministic",)  # run only when named in --systems
 SYSTEMS = (*OFFLINE_SYSTEMS, "serve-http")
 VLLM_BLOCK_SIZE = 32  # vLLM's CPU backend takes multiples of 32
 
@@ -76,7 +78,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     args.model = str(resolve_model(args.model))  # a directory, a Hugging Face repo id, or the default
     workloads = list(WORKLOADS) if "all" in args.workload else args.workload
-    systems = args.systems or [s for s in SYSTEMS if args.vllm_python or not s.startswith("vllm-")]
+    systems = args.systems or [s for s in SYSTEMS if (args.vllm_python or not s.startswith("vllm-"))
+                               and s not in OPT_IN_SYSTEMS]
     if any(s.startswith("vllm-") for s in systems) and not args.vllm_python:
         sys.exit("kvserve bench: vllm-nocache and vllm-cache need --vllm-python (the python of a venv with vLLM)")
     report = bench(args.model, workloads=workloads, systems=systems, scale=args.scale,
@@ -152,7 +155,9 @@ def _offline_round(model: str, instances: list[tuple[str, object]], systems: lis
     runs = []
     for system in (s for s in OFFLINE_SYSTEMS if s in systems):
         is_vllm = system.startswith("vllm-")
-        settings = {**engine, "enable_prefix_caching": system.endswith("-cache")}
+        settings = {**engine, "enable_prefix_caching": system.endswith("-cache") or system == "kvserve-deterministic"}
+        if system == "kvserve-deterministic":  # prefix caching on, batch-invariant numerics
+            settings["deterministic"] = True
         if is_vllm:
             settings["block_size"] = VLLM_BLOCK_SIZE
         spec = make_spec(system, model, vllm_threads if is_vllm else threads, instances, settings,

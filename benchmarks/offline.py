@@ -87,6 +87,7 @@ def run_instance(llm: LLM, workload: Workload, progress: Callable[[int], None] |
         # sampled after every step (the engine's own peak in stats() spans the engine's whole life)
         "kv_cache_usage_peak": peak_usage, "kv_waste_at_peak": waste_at_peak,
         "kv_blocks": after["num_kv_blocks"], "block_size": after["block_size"],
+        "deterministic": llm.config.deterministic,
         "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
         "num_steps": after["num_steps"] - before["num_steps"],
         "step_overhead_fraction": 1.0 - forward_time / step_time if step_time else 0.0,

@@ -76,7 +76,7 @@ def _overhead(spec: dict, instances) -> tuple[float, list[dict], dict]:
     return time.perf_counter() - start, [], {"overhead": overhead}
 
 
-SYSTEMS = {"kvserve-cache": _kvserve, "kvserve-nocache": _kvserve, "hf-static": _hf, "hf-continuous": _hf,
+SYSTEMS = {"kvserve-cache": _kvserve, "kvserve-nocache": _kvserve, "kvserve-deterministic": _kvserve, "hf-static": _hf, "hf-continuous": _hf,
            "kvserve-overhead": _overhead}
 
 

@@ -102,3 +102,12 @@ def test_other_workloads_on_kvserve(model_dirs):
     multi = report["workloads"]["multi-turn"]["runs"][0]
     assert multi["first"]["prefix_cache_hit_rate"] > 0.3 and multi["prefix_cache_hit_rate"] > 0.3  # later turns
     assert report["workloads"]["independent"]["runs"][0]["prefix_cache_hits"] == 0
+
+
+def test_the_deterministic_system_is_opt_in_and_runs_with_the_cache(model_dirs):
+    """kvserve-deterministic (prefix caching on, batch-invariant numerics) runs only when named."""
+    report = bench(model_dirs["llama"], workloads=["shared-system-prompt"], systems=["kvserve-deterministic"],
+                   overhead_seqs=0, **SMALL)
+    (run,) = report["workloads"]["shared-system-prompt"]["runs"]
+    assert run["name"] == "kvserve-deterministic" and run["deterministic"] is True
+    assert run["num_failed"] == 0 and run["prefix_cache_hits"] > 0
