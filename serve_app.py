@@ -119,6 +119,26 @@ def _with_options(options: dict, overrides: dict) -> dict:
     return merged
 
 
+def _flatten(data: Any, name: str, flat_keys: dict[str, str], shape: str, noun: str) -> Any:
+    """``data[name]``, a nested mapping, merged into the flat keys it names (``flat_keys``: nested key ->
+    flat key); a key given both ways must agree."""
+    if not isinstance(data, dict) or not data.get(name):
+        return data
+    nested = data[name]
+    if not isinstance(nested, dict):
+        raise ValueError(f"{name} must be {shape}")
+    unknown = sorted(set(nested) - set(flat_keys))
+    if unknown:
+        raise ValueError(f"{name}: unknown {noun} {unknown[0]!r} (known: {', '.join(sorted(flat_keys))})")
+    merged = dict(data)
+    for key, value in nested.items():
+        flat = flat_keys[key]
+        if data.get(flat) is not None and data[flat] != value:
+            raise ValueError(f"{flat} is given as {data[flat]!r} and in {name} as {value!r}: give it once")
+        merged[flat] = value
+    return merged
+
+
 class AppArgs(BaseModel):
     """Arguments of `serve run serve_app:app key=value ...` (validated; unknown keys are errors)."""
 
@@ -198,42 +218,15 @@ class AppArgs(BaseModel):
     @classmethod
     def _engine_kwargs(cls, data: Any) -> Any:
         """engine_kwargs' settings become the flat keys (a key given both ways must agree)."""
-        if not isinstance(data, dict) or not data.get("engine_kwargs"):
-            return data
-        kwargs = data["engine_kwargs"]
-        if not isinstance(kwargs, dict):
-            raise ValueError("engine_kwargs must be a mapping of engine settings")
-        unknown = sorted(set(kwargs) - ENGINE_KWARGS)
-        if unknown:
-            raise ValueError(f"engine_kwargs: unknown engine setting {unknown[0]!r} "
-                             f"(known: {', '.join(sorted(ENGINE_KWARGS))})")
-        merged = dict(data)
-        for key, value in kwargs.items():
-            if key in data and data[key] != value:
-                raise ValueError(f"{key} is given as {data[key]!r} and in engine_kwargs as {value!r}: give it once")
-            merged[key] = value
-        return merged
+        return _flatten(data, "engine_kwargs", {key: key for key in ENGINE_KWARGS}, "a mapping of engine settings",
+                        "engine setting")
 
     @model_validator(mode="before")
     @classmethod
     def _model_loading_config(cls, data: Any) -> Any:
         """model_loading_config's model_source and model_id become model and served_model_name."""
-        if not isinstance(data, dict) or not data.get("model_loading_config"):
-            return data
-        loading = data["model_loading_config"]
-        if not isinstance(loading, dict):
-            raise ValueError("model_loading_config must be a mapping with model_id and model_source")
-        unknown = sorted(set(loading) - {"model_id", "model_source"})
-        if unknown:
-            raise ValueError(f"model_loading_config: unknown key {unknown[0]!r} (known: model_id, model_source)")
-        merged = dict(data)
-        for key, flat in (("model_source", "model"), ("model_id", "served_model_name")):
-            if key in loading:
-                if data.get(flat) is not None and data[flat] != loading[key]:
-                    raise ValueError(f"{flat} is given as {data[flat]!r} and in model_loading_config as "
-                                     f"{loading[key]!r}: give it once")
-                merged[flat] = loading[key]
-        return merged
+        return _flatten(data, "model_loading_config", {"model_source": "model", "model_id": "served_model_name"},
+                        "a mapping with model_id and model_source", "key")
 
     @model_validator(mode="after")
     def _tool_call_parser(self) -> AppArgs:
