@@ -101,6 +101,7 @@ class AttentionBackend(Protocol):
     supports_cascade: bool
     supports_deterministic: bool  # honours ``PagedAttentionMetadata.deterministic`` (absent: False)
     layer_ops: object | None  # fused norm / activation / rotary ops for the layers, if the backend has them
+    interpreted: bool  # its kernels run under an interpreter (tests): no warm-up at start
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:

@@ -117,6 +117,7 @@ def paged_prefill_attention(
 class TorchAttentionBackend:
     name = "torch"
     supports_cascade = False
+    interpreted = False
     layer_ops = None  # the layers keep their plain torch ops
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,

@@ -7,6 +7,7 @@ runs) and travels with each step's metadata to every layer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -132,5 +133,18 @@ class ModelRunner:
                                             self.block_size, self.device, self.attention_backend)
         hidden = self.model(torch.zeros_like(positions), positions, kv_caches, meta)
         num_rows = min(self.config.scheduler.max_num_seqs, num_tokens)
-        self.model.compute_logits(hidden[-num_rows:])
+        logits = self.model.compute_logits(hidden[-num_rows:])
         del kv_caches, hidden
+        if self.sampler is not None:
+            self._profile_sampler(logits)
+
+    def _profile_sampler(self, logits: torch.Tensor) -> None:
+        """The sampler's costliest path over a full batch of rows (penalties, top-k / top-p / min-p, the
+        most logprobs, a seed each): its temporaries are part of the step's peak."""
+        params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, presence_penalty=0.5,
+                                frequency_penalty=0.5, repetition_penalty=1.1, logprobs=self.config.max_logprobs,
+                                max_tokens=None)
+        token_ids = list(range(min(64, logits.shape[-1])))
+        rows = [SamplingRow(dataclasses.replace(params, seed=i), token_ids, len(token_ids) // 2, ())
+                for i in range(logits.shape[0])]
+        self.sampler(logits, rows)

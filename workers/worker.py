@@ -111,8 +111,8 @@ class Worker:
         self.num_kv_blocks = num_blocks
         num_host = self.config.cache.host_kv_blocks_for(self.runner.kv_spec.bytes_per_block)
         self.host_tier = HostKVTier(self.runner.kv_spec, num_host, self.device) if num_host else None
-        if self.device.type == "cpu" and self.runner.attention_backend.name != "triton":
-            self.runner.warm_up()  # (Triton on a CPU device is its interpreter: tests, nothing to warm)
+        if self.device.type == "cpu" and not self.runner.attention_backend.interpreted:
+            self.runner.warm_up()  # (an interpreted backend is for tests: nothing to warm)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if scheduler_output.kv_offloads or scheduler_output.kv_restores:

@@ -16,6 +16,7 @@ _EMPTY_TABLE = torch.zeros(0, 0, dtype=torch.int32)
 class CpuAttentionBackend:
     name = "cpu"
     supports_cascade = True
+    interpreted = False
     supports_deterministic = True  # fixed-order attention and linear layers (``meta.deterministic``)
 
     def __init__(self, ops) -> None:

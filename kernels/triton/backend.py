@@ -5,6 +5,8 @@ ignored (the result is the same)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels.attention import PagedAttentionMetadata
@@ -38,6 +40,8 @@ class _Launch:
 class TritonAttentionBackend:
     name = "triton"
     supports_cascade = False
+    # on a CPU device Triton runs only under its interpreter (TRITON_INTERPRET=1, read at import)
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     # The layers' Triton ops (norms, SiLU-and-multiply, rotary) are ``fused_ops``; ``layer_ops`` stays
     # None because the layers' binding of ``layer_ops`` also re-lays out linear weights in host memory
     # and binds the compiled CPU decoder stack, neither of which applies here.
