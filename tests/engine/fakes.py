@@ -3,6 +3,8 @@ scheduler's diffs (checking they are consistent) and 'samples' a deterministic t
 
 from __future__ import annotations
 
+import collections
+
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -73,3 +75,18 @@ class FakeRunner:
             done = self.computed[req_id] == len(tokens)
             sampled.append([(sum(tokens) * 31 + len(tokens)) % VOCAB] if done else [])
         return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+
+
+def check_ref_counts(kv) -> None:
+    """Pool invariants every state must keep: each block's ref count is the number of block tables
+    holding it, the free queue holds each free block once and nothing else, the null block is never
+    held nor free."""
+    pool = kv.block_pool
+    holders = collections.Counter(b.block_id for t in kv.req_to_blocks.values() for b in t)
+    in_queue = [b.block_id for b in pool.free_queue]
+    assert len(in_queue) == len(set(in_queue)) == pool.num_free_blocks
+    assert 0 not in in_queue and holders[0] == 0
+    free = set(in_queue)
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == holders[block.block_id], block
+        assert (block.ref_cnt == 0) == (block.block_id in free), block

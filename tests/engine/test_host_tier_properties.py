@@ -5,13 +5,12 @@ copy has run), and pins belong to copies in flight."""
 
 from __future__ import annotations
 
-import collections
-
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import initialize, invariant
 
 from engine.scheduler import Scheduler
+from tests.engine.fakes import check_ref_counts
 from tests.engine.test_host_tier import TierRunner
 from tests.engine.test_scheduler_properties import BLOCK_SIZE, MAX_MODEL_LEN, SchedulerMachine
 
@@ -31,13 +30,7 @@ class TierMachine(SchedulerMachine):
     def pool_is_consistent(self):
         kv = self.sched.kv
         pool = kv.block_pool
-        holders = collections.Counter(b.block_id for t in kv.req_to_blocks.values() for b in t)
-        in_queue = [b.block_id for b in pool.free_queue]
-        assert len(in_queue) == len(set(in_queue)) == pool.num_free_blocks
-        assert 0 not in in_queue and holders[0] == 0
-        for block in pool.blocks[1:]:
-            assert block.ref_cnt == holders[block.block_id], block
-            assert (block.ref_cnt == 0) == (block.block_id in set(in_queue)), block
+        check_ref_counts(kv)
         pending = {c.block.block_id for c in kv._pending_copies if not c.offload}
         for block_hash, blocks in pool.cached.items():
             for block_id, block in blocks.items():

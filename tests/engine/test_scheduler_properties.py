@@ -3,8 +3,6 @@ invariants checked after every rule."""
 
 from __future__ import annotations
 
-import collections
-
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -13,7 +11,7 @@ import pytest
 
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler
-from tests.engine.fakes import FakeRunner, StepFault, make_request
+from tests.engine.fakes import FakeRunner, StepFault, check_ref_counts, make_request
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 40
@@ -100,13 +98,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def pool_is_consistent(self):
         kv = self.sched.kv
         pool = kv.block_pool
-        holders = collections.Counter(b.block_id for t in kv.req_to_blocks.values() for b in t)
-        in_queue = [b.block_id for b in pool.free_queue]
-        assert len(in_queue) == len(set(in_queue)) == pool.num_free_blocks
-        assert 0 not in in_queue and holders[0] == 0
-        for block in pool.blocks[1:]:
-            assert block.ref_cnt == holders[block.block_id], block
-            assert (block.ref_cnt == 0) == (block.block_id in set(in_queue)), block
+        check_ref_counts(kv)
         in_map = 0
         for block_hash, blocks in pool.cached.items():
             assert blocks
