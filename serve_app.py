@@ -49,7 +49,7 @@ from api.http_app import build_openai_app, validation_error
 from api.metrics import prometheus_text
 from api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from api.openai_serving import OpenAIServing
-from cluster.app_args import AppArgs, _with_options, api_key_from_env, api_key_from_file
+from cluster.app_args import ENGINE_KWARGS, AppArgs, _with_options, api_key_from_env, api_key_from_file
 from cluster.scheduler_actor import launch_scheduler_actor
 from engine import EngineDeadError, EngineOverloadedError, SamplingParams, engine_config
 from engine.config import EngineConfig, ModelConfig
@@ -666,19 +666,8 @@ def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | 
 def build_app(args: AppArgs | dict | None = None):
     """The application for `serve run serve_app:app key=value ...` (and `serve deploy`)."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
-    config = engine_config(
-        args.model, revision=args.revision, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, seed=args.seed, device=args.device,
-        placement_strategy=args.placement_strategy, attention_backend=args.attention_backend,
-        cascade_attention=args.cascade_attention, max_worker_restarts=args.max_worker_restarts,
-        worker_restart_window_s=args.worker_restart_window_s, worker_restart_backoff_s=args.worker_restart_backoff_s,
-        max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences,
-        max_stop_token_ids=args.max_stop_token_ids, num_host_kv_blocks=args.num_host_kv_blocks,
-        kv_offload_bytes=args.kv_offload_bytes, deterministic=args.deterministic,
-    )
+    # every engine setting is a flat app argument of the same name (ENGINE_KWARGS)
+    config = engine_config(args.model, revision=args.revision, **{key: getattr(args, key) for key in ENGINE_KWARGS})
     use_gpu = _use_gpu(args.device, args.accelerator_type)
     # GPU engines on a cluster with no GPU node yet (its GPU workers scaled to zero): the autoscaler
     # adds the nodes they need, so the nodes alive now say nothing about where they will fit
