@@ -1,20 +1,26 @@
-"""The KV block pool: every block made at start, reference counts, and the LRU free queue.
+"""The KV block pool: reference counts, the LRU free queue, and blocks made only when first used.
 
 Invariants (checked by the property tests):
 - block 0 is the null block: never handed out, never freed, never in the free queue;
 - for every other block: ref_cnt == 0  <=>  the block is in the free queue;
 - a block in the hash map has that hash, and carries the token ids it was cached with;
-- every block that carries a hash is in the map under it (duplicates too: hash -> {block id: block}).
+- every block that carries a hash is in the map under it (duplicates too: hash -> {block id: block});
+- the blocks made so far are exactly ids 0 .. k-1, listed in ``BlockPool.blocks`` by id; ids k .. N-1
+  are fresh: never handed out, so free, uncached, and with no object yet.
 
 A freed block keeps its hash until it is handed out again: that is the prefix cache. The free queue
-is ordered for eviction, least recently freed at the head::
+is ordered for eviction, least recently freed at the head; the fresh ids come first, in id order::
 
-    head <-> b7 <-> b3 <-> b9 <-> tail        get_new_blocks takes b7 first; free appends at the tail
+    head <-> [fresh k .. N-1] <-> b7 <-> b3 <-> b9 <-> tail
+
+get_new_blocks takes from the head (fresh ids first, each made into a block as it is handed out);
+free appends at the tail. This is the order of a queue that starts as 1 .. N-1 with every block made,
+so a pool of millions of blocks costs nothing at start and only what it has used since.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from engine.block_hash import BlockHash
 
@@ -37,23 +43,78 @@ class KVCacheBlock:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
 
 
-class FreeKVCacheBlockQueue:
-    """Intrusive doubly linked list of free blocks: O(1) append, popleft and remove-from-middle."""
+class FreshBlock:
+    """Stands for a fresh free block when the free queue is listed: the id, free and uncached. It is
+    not the block (that is made when the id is handed out) and the pool takes no action on it."""
 
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+    __slots__ = ("block_id",)
+    ref_cnt = 0
+    block_hash = token_ids = None
+    prev_free = next_free = None  # so that taking it out of the free queue is refused
+    is_null = False
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+
+    def __repr__(self) -> str:
+        return f"FreshBlock({self.block_id})"
+
+
+class FreeKVCacheBlockQueue:
+    """The free blocks in eviction order: a range of fresh ids at the head, then an intrusive doubly
+    linked list of freed blocks (O(1) append, popleft and remove-from-middle).
+
+    ``made`` lists the blocks made so far, by id (ids 0 .. len(made)-1); ids len(made) .. num_blocks-1
+    are fresh. Handing out a fresh id makes its block and appends it to ``made``."""
+
+    def __init__(self, made: list[KVCacheBlock], num_blocks: int) -> None:
+        self._made = made
+        self._fresh_next = len(made)  # the first fresh id (== len(made) at all times)
+        self._end = num_blocks
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
         self._head.next_free, self._tail.prev_free = self._tail, self._head
-        self.num_free_blocks = 0
-        for block in blocks:
-            self.append(block)
+        self.num_free_blocks = num_blocks - len(made)
+
+    @property
+    def num_fresh_blocks(self) -> int:
+        return self._end - self._fresh_next
 
     def popleft(self) -> KVCacheBlock:
-        block = self._head.next_free
-        if block is self._tail:
+        if not self.num_free_blocks:
             raise ValueError("no free KV blocks")
-        self.remove(block)
-        return block
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The ``n`` blocks at the head, taken out of the queue (fresh ones made now)."""
+        if not 0 <= n <= self.num_free_blocks:
+            raise ValueError(f"asked for {n} KV blocks with {self.num_free_blocks} free")
+        self.num_free_blocks -= n
+        if self._fresh_next < self._end:
+            blocks = self._make_fresh(n)
+            n -= len(blocks)
+        else:
+            blocks = []
+        head = self._head
+        for _ in range(n):
+            block = head.next_free
+            nxt = block.next_free
+            head.next_free, nxt.prev_free = nxt, head
+            block.prev_free = block.next_free = None
+            blocks.append(block)
+        return blocks
+
+    def _make_fresh(self, n: int) -> list[KVCacheBlock]:
+        """Up to ``n`` fresh ids from the head, made into blocks."""
+        start = self._fresh_next
+        self._fresh_next = stop = min(start + n, self._end)
+        if stop - start == 1:  # the common case of a decode step: no comprehension to set up
+            block = KVCacheBlock(start)
+            self._made.append(block)
+            return [block]
+        blocks = [KVCacheBlock(i) for i in range(start, stop)]
+        self._made.extend(blocks)
+        return blocks
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
@@ -69,18 +130,28 @@ class FreeKVCacheBlockQueue:
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free_blocks += 1
 
-    def __iter__(self):
+    def freed_latest_first(self) -> Iterator[KVCacheBlock]:
+        """The freed (not fresh) blocks, most recently freed first."""
+        block = self._tail.prev_free
+        while block is not self._head:
+            yield block
+            block = block.prev_free
+
+    def __iter__(self) -> Iterator[KVCacheBlock | FreshBlock]:
+        """Every free block in eviction order: FreshBlock stand-ins for the fresh ids, then the freed
+        blocks."""
+        for block_id in range(self._fresh_next, self._end):
+            yield FreshBlock(block_id)
         block = self._head.next_free
         while block is not self._tail:
             yield block
             block = block.next_free
 
-    def __reversed__(self):
-        """Most recently freed first."""
-        block = self._tail.prev_free
-        while block is not self._head:
-            yield block
-            block = block.prev_free
+    def __reversed__(self) -> Iterator[KVCacheBlock | FreshBlock]:
+        """Most recently freed first, the fresh ids last (highest first)."""
+        yield from self.freed_latest_first()
+        for block_id in range(self._end - 1, self._fresh_next - 1, -1):
+            yield FreshBlock(block_id)
 
 
 class BlockPool:
@@ -91,10 +162,11 @@ class BlockPool:
             raise ValueError(f"the KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
+        self.null_block = KVCacheBlock(0)
         self.null_block.is_null = True
-        self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        # the blocks made so far, by id (the null block, then each block as it is first handed out)
+        self.blocks: list[KVCacheBlock] = [self.null_block]
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks, num_blocks)
         # hash -> the blocks that hold it: a block computed again (a prompt exactly k blocks long
         # recomputes its last block) is kept as a duplicate, findable once the first copy is evicted
         self.cached: dict[BlockHash, dict[int, KVCacheBlock]] = {}
@@ -107,6 +179,11 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free_blocks
+
+    @property
+    def num_fresh_blocks(self) -> int:
+        """Free blocks never handed out (no object made yet): ids len(blocks) .. num_blocks-1."""
+        return self.free_queue.num_fresh_blocks
 
     @property
     def num_usable_blocks(self) -> int:
@@ -171,7 +248,7 @@ class BlockPool:
                 seen[block_hash] = None
                 if len(seen) >= limit:
                     return list(seen)
-        for block in reversed(self.free_queue):
+        for block in self.free_queue.freed_latest_first():  # fresh blocks hold no hash
             if block.block_hash is not None and block.block_hash not in seen:
                 seen[block.block_hash] = None
                 if len(seen) >= limit:
@@ -180,21 +257,19 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` from the head of the free queue (evicting their cached contents)."""
-        if num_blocks > self.num_free_blocks:
-            raise ValueError(f"asked for {num_blocks} KV blocks with {self.num_free_blocks} free")
-        blocks = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
-            self._evict(block)
+        blocks = self.free_queue.popleft_n(num_blocks)
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
-            blocks.append(block)
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
-        if self.on_evict is not None and block.block_hash is not None:
+        """Drop a cached block's contents as it is handed out again."""
+        if self.on_evict is not None:
             self.on_evict(block)
-        if self._forget(block):
-            self.num_evictions += 1
+        self._forget(block)
+        self.num_evictions += 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks another request is sharing (prefix hit or fork)."""
@@ -219,7 +294,7 @@ class BlockPool:
         """Forget every cached block; refused (False) while any block is in use."""
         if self.num_free_blocks != self.num_usable_blocks:
             return False
-        for block in self.blocks:
+        for block in self.blocks:  # fresh blocks hold no hash
             block.block_hash = block.token_ids = None
         self.cached.clear()
         self.num_cached_blocks = 0

@@ -262,7 +262,7 @@ class KVMonitor:
         pool = kv.block_pool
         with self.lock:  # a consistent picture: no step changes the pool meanwhile
             t = self.clock()
-            states = block_states(pool.blocks[1:])
+            states = block_states(pool.blocks[1:]) + "f" * pool.num_fresh_blocks  # fresh: free, no object
             chains = shared_chains(kv.req_to_blocks.values())
             stats = sched.stats
             running, waiting = len(sched.running), len(sched.waiting)

@@ -87,6 +87,10 @@ def check_ref_counts(kv) -> None:
     assert len(in_queue) == len(set(in_queue)) == pool.num_free_blocks
     assert 0 not in in_queue and holders[0] == 0
     free = set(in_queue)
+    assert [b.block_id for b in pool.blocks] == list(range(len(pool.blocks)))  # made: a prefix of the ids
     for block in pool.blocks[1:]:
         assert block.ref_cnt == holders[block.block_id], block
         assert (block.ref_cnt == 0) == (block.block_id in free), block
+    fresh = range(len(pool.blocks), pool.num_blocks)  # never handed out: free, at the head of the queue
+    assert len(fresh) == pool.num_fresh_blocks and in_queue[:len(fresh)] == list(fresh)
+    assert not any(holders[i] for i in fresh)
