@@ -47,13 +47,13 @@ inline void norm_row(scalar_t* out, const scalar_t* x, const scalar_t* w, int64_
 }
 
 // Index of the largest of x[0, n): the first one among equal maxima, and the first NaN if there is
-// one (as torch.argmax). Sixteen lanes each keep their best value and its index, then the lanes meet.
+// one (as torch.argmax). The W lanes each keep their best value and its index, then the lanes meet.
 inline int64_t argmax_row(const float* x, int64_t n) {
   int64_t i = 0;
   int64_t best = 0;
   if (n >= W) {
     vf m = vload(x);
-    vi idx = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vi idx = iota();
     vi cur = idx;
     vf nan_seen = vsplat(0.0f);
     for (i = W; i + W <= n; i += W) {

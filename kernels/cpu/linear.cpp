@@ -80,13 +80,13 @@ bool linear_split(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
 // and column only, never on how many rows the batch has, where the row sits, or how many threads
 // run. (BLAS picks its kernel and its K blocking from the shape: with MKL a row's result changes
 // between 1 and 2 rows, and again past 16 or 192 rows for some shapes.) A register tile is 4 rows
-// x 64 columns; a tail of fewer rows repeats the last row into the tile and keeps only its own
-// results, so every row runs the very same code. Columns are split into 64-wide panels across
-// threads; a panel's columns past a multiple of 16 take a scalar fused multiply-add chain. Each
+// x 4W columns; a tail of fewer rows repeats the last row into the tile and keeps only its own
+// results, so every row runs the very same code. Columns are split into 4W-wide panels across
+// threads; a panel's columns past a multiple of W take a scalar fused multiply-add chain. Each
 // panel is run 128 inputs at a time (its weights then stay in L1 while every row tile passes).
 constexpr int kFixedRows = 4;
 constexpr int64_t kFixedPanel = 4 * W;
-constexpr int64_t kFixedDepth = 128;  // inputs per pass over a panel: 128 x 64 weights (32 KiB) stay in L1
+constexpr int64_t kFixedDepth = 128;  // inputs per pass over a panel: 128 x 4W weights (at most 32 KiB) stay in L1
 
 // acc (rows x NC vectors of out) continues its chains over the inputs [k0, k1): the accumulators go
 // through memory between passes, which leaves each chain's order as it is.

@@ -22,7 +22,7 @@
 // tile (from position 0) is reduced in the same lanes, and a tile's keys beyond the row's limit add
 // exact zeros. So a token gets the same bits in a decode step and in a prefill chunk of any size,
 // beside any other sequences. (The row-vectorised path would do too, but pads a decode's few rows
-// to 16 lanes: the few-rows path keeps decodes at their usual cost and slows prefill chunks instead.)
+// to W lanes: the few-rows path keeps decodes at their usual cost and slows prefill chunks instead.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -149,11 +149,12 @@ void accumulate_values(float* acc, int rows, int dv, const float* alpha, const f
 // One work item: `num_tokens` query tokens (flat indices `tokens`, key limits `limits`) and the
 // query heads of KV head `kv_head` against keys [kv_begin, max limit) of block table `table`.
 // merge: start from out/lse of an earlier pass. write_lse: record the log-sum-exp.
-// DV: head_dim / 16 when fixed at compile time, else 0 (head_dim a multiple of 16 either way).
+// DV: head_dim / W when fixed at compile time, else 0 (head_dim a multiple of W either way).
 template <typename scalar_t, int DV>
 void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, const int32_t* limits, int num_tokens,
             const int32_t* table, int kv_begin, bool merge, bool write_lse, Scratch& sc) {
-  constexpr int RB = DV == 0 ? 1 : DV <= 4 ? 4 : DV <= 8 ? 2 : 1;
+  // row blocks whose accumulators (RB x DV vectors) fill at most half the vector registers
+  constexpr int RB = DV == 0 ? 1 : std::max(1, std::min(4, kVectorRegisters / 2 / DV));
   const int nv = DV > 0 ? DV : p.head_dim / W;
   const int d = nv * W;
   const int g = p.group_size;
@@ -390,7 +391,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   }
 }
 
-// Any head_dim: plain loops, one row and one key at a time (head sizes that are not a multiple of 16).
+// Any head_dim: plain loops, one row and one key at a time (head sizes that are not a multiple of W).
 template <typename scalar_t>
 void attend_scalar(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, const int32_t* limits,
                    int num_tokens, const int32_t* table, int kv_begin, bool merge, bool write_lse) {
@@ -644,12 +645,12 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
                                                            group_members);
     };
     switch (p.head_dim) {
-      case 32: run(std::integral_constant<int, 2>{}); break;
-      case 64: run(std::integral_constant<int, 4>{}); break;
-      case 80: run(std::integral_constant<int, 5>{}); break;
-      case 96: run(std::integral_constant<int, 6>{}); break;
-      case 128: run(std::integral_constant<int, 8>{}); break;
-      case 256: run(std::integral_constant<int, 16>{}); break;
+      case 32: run(std::integral_constant<int, 32 / W>{}); break;
+      case 64: run(std::integral_constant<int, 64 / W>{}); break;
+      case 80: run(std::integral_constant<int, 80 / W>{}); break;
+      case 96: run(std::integral_constant<int, 96 / W>{}); break;
+      case 128: run(std::integral_constant<int, 128 / W>{}); break;
+      case 256: run(std::integral_constant<int, 256 / W>{}); break;
       default: run(std::integral_constant<int, 0>{}); break;
     }
   });

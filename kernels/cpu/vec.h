@@ -1,6 +1,8 @@
-// 16-lane float vectors through GCC/Clang vector extensions (AVX-512 registers on this project's
-// machines, pairs of AVX2 ones elsewhere; the code is compiled with -march=native), and the exp that
-// the softmax and SiLU need, vectorised.
+// Float vectors through GCC/Clang vector extensions, as wide as the machine's registers: 16 lanes in
+// one AVX-512 register where the compiler targets AVX-512 (the code is compiled with -march=native),
+// else 8 lanes in one AVX2 register (on NEON, a pair). Wider-than-hardware vectors would be split by
+// the compiler, which doubles every register tile and spills. Also the exp that the softmax and SiLU
+// need, vectorised.
 #pragma once
 
 #include <algorithm>
@@ -8,10 +10,16 @@
 
 namespace kvserve {
 
+#if defined(__AVX512F__)
 constexpr int W = 16;  // lanes of a vector
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int W = 8;
+constexpr int kVectorRegisters = 16;
+#endif
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
 
 inline vf vload(const float* p) {
   vf v;
@@ -22,21 +30,32 @@ inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
 inline vf vsplat(float x) { return vf{} + x; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline float hsum(vf v) {
-  typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
+  typedef float v8 __attribute__((vector_size(32)));
   v8 lo, hi;
   __builtin_memcpy(&lo, &v, 32);
   __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
   v8 s8 = lo + hi;
+#else
+  const vf s8 = v;
+#endif
   v4 a, b;
   __builtin_memcpy(&a, &s8, 16);
   __builtin_memcpy(&b, reinterpret_cast<const char*>(&s8) + 16, 16);
   v4 s4 = a + b;
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
-// Sixteen vectors in, one out: lane j holds the sum of v[j]'s lanes. Three levels of pairing
-// (adjacent lanes, then pairs, quads, halves) keep every vector full: 15 shuffle pairs and adds
-// instead of a horizontal sum per vector.
+// Lane indices 0, 1, ..., W - 1.
+inline vi iota() {
+  vi v;
+  for (int i = 0; i < W; ++i) v[i] = i;
+  return v;
+}
+// W vectors in, one out: lane j holds the sum of v[j]'s lanes. Levels of pairing (adjacent lanes,
+// then pairs, quads, ...) keep every vector full: W - 1 shuffle pairs and adds instead of a
+// horizontal sum per vector.
+#if defined(__AVX512F__)
 inline vf pair_sum(vf a, vf b) {
   return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -48,6 +67,17 @@ inline vf transpose_sum(const vf* v) {
   for (int i = 0; i < 2; ++i) c[i] = pair_sum(b[2 * i], b[2 * i + 1]);
   return pair_sum(c[0], c[1]);
 }
+#else
+inline vf pair_sum(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+inline vf transpose_sum(const vf* v) {
+  vf a[4], b[2];
+  for (int i = 0; i < 4; ++i) a[i] = pair_sum(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) b[i] = pair_sum(a[2 * i], a[2 * i + 1]);
+  return pair_sum(b[0], b[1]);
+}
+#endif
 inline float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
