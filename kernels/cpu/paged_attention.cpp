@@ -251,8 +251,8 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     std::swap(slots, next_slots);
     const bool masked = start + n > min_limit;
     if (by_rows) {
-      // s[j * rows_padded + r] = q_r . k_j, 16 rows per vector; 32 rows x 4 keys per pass where
-      // there are 32 rows (each key element loaded once for both vectors), else 16 x 4
+      // s[j * rows_padded + r] = q_r . k_j, W rows per vector; 2W rows x 4 keys per pass where
+      // there are 2W rows (each key element loaded once for both vectors), else W x 4
       int c = 0;
       for (; c + 2 * W <= rows_padded; c += 2 * W) {
         int j = 0;
