@@ -11,12 +11,19 @@ The multiplexed form is what the Serve ingress uses: its cost per step is one Ra
 the number of requests. At tensor_parallel_size 1 the model runs inside this actor (the in-process
 executor); above, on worker actors. Cancelling a stream, or ``abort``, ends a request and frees its
 blocks; a subscriber that goes away has its requests aborted.
+
+Ray task events are off for this actor and the worker actors: GCS keeps the events of every call,
+and the calls made per request, per step and per second would grow its memory for as long as the
+app runs. ``shutdown`` keeps them (rare); ``KVSERVE_RAY_TASK_EVENTS=1`` where Ray starts (or in the
+app's runtime_env) turns them all back on, to follow calls in the Ray dashboard.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+
+import ray
 
 from engine.async_engine import AsyncLLM
 from engine.config import EngineConfig
@@ -26,6 +33,14 @@ from engine.kv_map import KVMonitor
 from engine.messages import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from workers.model_source import localize
+
+
+TASK_EVENTS_ENV = "KVSERVE_RAY_TASK_EVENTS"
+
+
+def task_events_enabled() -> bool:
+    """Whether kvserve's actors record Ray task events for every call (``KVSERVE_RAY_TASK_EVENTS=1``)."""
+    return os.environ.get(TASK_EVENTS_ENV) == "1"
 
 
 class _Subscriber:
@@ -145,8 +160,6 @@ class SchedulerActor:
 
     def placement(self) -> dict:
         """Placement group ids of this actor and of its ranks (tp > 1)."""
-        import ray
-
         executor = self.engine.core.executor
         ranks = [i["placement_group_id"] for i in executor.group.node_info] if hasattr(executor, "group") else []
         return {"scheduler": ray.get_runtime_context().get_placement_group_id(), "ranks": ranks}
@@ -155,6 +168,7 @@ class SchedulerActor:
         executor = self.engine.core.executor
         return executor.worker_pids() if hasattr(executor, "worker_pids") else [os.getpid()]
 
+    @ray.method(enable_task_events=True)
     async def shutdown(self) -> None:
         self.kv_monitor.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
@@ -178,14 +192,13 @@ def launch_scheduler_actor(
     """Start a scheduler actor and (``wait``) block until it serves. In ``placement_group``, the actor
     takes bundle ``bundle_index`` and its ranks (tensor_parallel_size > 1) the bundles from
     ``first_rank_bundle`` on (default: the ones after the actor's)."""
-    import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from cluster.ray_env import ensure_ray
 
     ensure_ray(min_cpus=config.parallel.tensor_parallel_size + 2)
     options: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus, "name": name, "namespace": namespace,
-                     "max_concurrency": 10_000}
+                     "max_concurrency": 10_000, "enable_task_events": task_events_enabled()}
     executor_kwargs = {}
     if placement_group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, bundle_index)

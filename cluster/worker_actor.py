@@ -52,6 +52,7 @@ class WorkerActor:
     def kv_cache_info(self) -> dict:
         return self.worker.kv_cache_info()
 
+    @ray.method(enable_task_events=True)  # rare; the per-step calls record none (worker_group.py)
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()

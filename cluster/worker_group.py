@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.placement import PlacementError, create_placement_group
 from cluster.ray_env import cluster_has_gpus
+from cluster.scheduler_actor import task_events_enabled
 from cluster.worker_actor import WorkerActor
 from engine.config import EngineConfig
 from engine.executor import StepFailedError, WorkerFailedError
@@ -68,6 +69,7 @@ class WorkerGroup:
         self.actors = [
             actor_cls.options(
                 num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0,
+                enable_task_events=task_events_enabled(),  # off: one call per rank per step
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, first_bundle + rank),
             ).remote(self.config, rank)
             for rank in range(self.num_ranks)
