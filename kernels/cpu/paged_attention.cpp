@@ -30,6 +30,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "group_attention.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -464,6 +465,31 @@ void run_pass(const Problem<scalar_t>& p, std::vector<Item>& items, const std::v
   });
 }
 
+// Group-pass items through BLAS (group_attention.cpp): float32 only, handed out as run_pass does.
+template <typename scalar_t>
+void run_group_blas(const Problem<scalar_t>& p, std::vector<Item>& items, const std::vector<int32_t>& tokens,
+                    const std::vector<int32_t>& limits, const int32_t* tables, int64_t table_stride) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const int64_t n = static_cast<int64_t>(items.size());
+    if (n == 0) return;
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    const GroupAttention gp{p.query, p.q_tok_stride, p.q_head_stride, p.k_pool, p.v_pool, p.block_stride,
+                            p.slot_stride, p.block_size, p.group_size, p.head_dim, p.num_heads, p.out,
+                            p.out_tok_stride, p.lse, p.scale};
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+    // inside the parallel region BLAS runs on the calling thread only (MKL does not nest its threads)
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      thread_local GroupScratch scratch;
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+        const Item& it = items[i];
+        attend_group_blas(gp, it.kv_head, tokens.data() + it.token_begin, it.num_tokens,
+                          tables + it.table * table_stride, limits[it.token_begin], scratch);
+      }
+    });
+  }
+}
+
 template <typename scalar_t, int DV>
 void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_tables,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -497,7 +523,9 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
     const int32_t* gstart = group_member_start.data_ptr<int32_t>();
     const int32_t* members = group_members.data_ptr<int32_t>();
     std::vector<int32_t> tokens, limits;
-    std::vector<Item> items;
+    std::vector<Item> items, blas_items;
+    // large groups (every key visible to every row: two matrix products) through BLAS
+    const bool blas = std::is_same_v<scalar_t, float> && !p.fixed_order && group_blas_available();
     TORCH_CHECK(group_member_start.numel() == num_groups + 1 && gstart[0] == 0 &&
                     gstart[num_groups] == group_members.numel(),
                 "group_member_start must span group_members");
@@ -516,12 +544,20 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
         }
       }
       const int end = static_cast<int>(tokens.size());
+      const int rows = (end - begin) * g;
+      const bool by_blas = blas && rows >= kGroupMinRows;
+      // tiles of up to kGroupTileRows rows, split further while the KV heads alone leave threads idle
+      const int parts = std::max(1, (static_cast<int>(at::get_num_threads()) + p.num_kv_heads - 1) / p.num_kv_heads);
+      const int tile = std::clamp((rows + parts - 1) / parts, kGroupMinRows, kGroupTileRows);
+      const int per_item = by_blas ? std::max(1, tile / g) : tokens_per_item;
       for (int h = 0; h < p.num_kv_heads; ++h)
-        for (int t = begin; t < end; t += tokens_per_item) {
-          const int nt = std::min(tokens_per_item, end - t);
-          items.push_back({t, nt, h, gi, 0, false, static_cast<int64_t>(nt) * glens[gi]});
+        for (int t = begin; t < end; t += per_item) {
+          const int nt = std::min(per_item, end - t);
+          (by_blas ? blas_items : items).push_back({t, nt, h, gi, 0, false, static_cast<int64_t>(nt) * glens[gi]});
         }
     }
+    run_group_blas<scalar_t>(p, blas_items, tokens, limits, group_block_tables.data_ptr<int32_t>(),
+                             group_block_tables.stride(0));
     run_pass<scalar_t, DV>(p, items, tokens, limits, group_block_tables.data_ptr<int32_t>(),
                           group_block_tables.stride(0), true);
   }

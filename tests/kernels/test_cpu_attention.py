@@ -150,6 +150,31 @@ def test_shared_prefix_groups_match_reference(num_heads, kv_heads, head_dim):
     torch.testing.assert_close(out_groups, out_plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim", [(8, 2, 64), (8, 1, 40), (4, 4, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_groups_through_blas_match_reference(num_heads, kv_heads, head_dim, threads):
+    """Groups with many query rows per KV head take the BLAS path (group_attention.cpp): a 604-token
+    prefix is two key chunks (512 + 92: a tail that is no multiple of the vector width), 40 decodes
+    and two 30-token prefill chunks make 100 x (heads per KV head) rows, split into tiles of up to 256;
+    a small group beside it stays on the vector kernel."""
+    pool = Pool(1000, 4, kv_heads, head_dim, seed=3)
+    rng = random.Random(7)
+    members = [(1, 604 + rng.randint(1, 36)) for _ in range(40)] + [(30, 640), (30, 700)]
+    specs, tables = shared_batch(pool, [(604, members), (40, [(1, 41), (2, 57)])], extra=[(5, 9)])
+    cascade = plan_for(specs, tables, 4)
+    assert cascade is not None and sorted(cascade.lens.tolist()) == [40, 604]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with_groups, out_groups = run(pool, specs, tables, num_heads, cascade=cascade)
+    finally:
+        torch.set_num_threads(previous)
+    without, out_plain = run(pool, specs, tables, num_heads)
+    assert torch.isfinite(out_groups).all()
+    assert with_groups < 1e-5 and without < 1e-5, (with_groups, without)
+    torch.testing.assert_close(out_groups, out_plain, atol=1e-5, rtol=1e-5)
+
+
 def test_a_member_prefilling_inside_the_shared_blocks_is_left_out():
     """A request computing the prefix in this step (its queries start at 0) shares the blocks but must
     not join the group: its keys are not all before its queries."""
