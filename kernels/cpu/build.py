@@ -26,7 +26,7 @@ import torch
 NAME = "kvserve_cpu"
 SOURCES = tuple(Path(__file__).parent / name for name in (
     "vec.h", "ops.h", "group_attention.h", "paged_attention.cpp", "group_attention.cpp", "elementwise.cpp",
-    "linear.cpp", "decoder_stack.cpp"))
+    "linear.cpp", "decoder_stack.cpp", "gemm.h", "gemm.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast")
 
 _lock = threading.Lock()

@@ -14,6 +14,9 @@ class CpuLayerOps:
         self.ops = ops  # torch.ops.kvserve_cpu
         self.attention_args = attention_args  # PagedAttentionMetadata -> the metadata tensors the ops take
         self.linear = ops.linear.default  # F.linear; float32 batches of up to 512 rows split across threads
+        # a weight packed in column panels ([N / panel, K, panel]) for the packed product of gemm.cpp
+        self.pack_linear_weight = ops.pack_linear_weight.default  # (weight [N, K], out) -> None
+        self.panel_width = int(ops.linear_panel_width())
         # F.linear with every output element reduced in one fixed order (batch-invariant), float32
         self.linear_fixed_order = ops.linear_fixed_order.default
         self.rms_norm = ops.rms_norm.default  # (x, weight, eps) -> normed

@@ -4,11 +4,14 @@
 // its block: for few rows this keeps both cores busy where BLAS's own threading does not (measured
 // 1.5x for one thread against 2 at 64 rows). BLAS is the sgemm_ that torch's CPU library carries
 // (MKL); where it has none, or for large batches, the op answers false and the caller uses F.linear.
+// A weight packed into column panels (pack_linear_weight, a [N / panel, K, panel] tensor) runs the
+// packed product of gemm.cpp instead, at any number of rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "gemm.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -174,8 +177,43 @@ at::Tensor linear_fixed_order(const at::Tensor& x, const at::Tensor& weight, con
   return out.view(shape);
 }
 
-// F.linear, through linear_split for float32 batches of up to kSplitMaxRows rows.
+// x [.., K] @ packed^T (+ bias) for a weight packed by pack_linear_weight.
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "a packed weight is a contiguous [N / ", kPanel, ", K, ", kPanel, "] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "packed weights are float32");
+  const int64_t k = packed.size(1), n = packed.size(0) * kPanel;
+  TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " features where the packed weight takes ", k);
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bad bias");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({x2.size(0), n}, x.options());
+  gemm_packed(x2.data_ptr<float>(), k, x2.size(0), k, packed.data_ptr<float>(), n, bp, out.data_ptr<float>(), n, true);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return out.view(shape);
+}
+
+// out [N / panel, K, panel] = weight [N, K] (any strides) in column panels; N a multiple of the panel width.
+void pack_linear_weight(const at::Tensor& weight, at::Tensor& out) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_linear_weight takes a float32 [N, K] weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % kPanel == 0, "a packed weight needs a multiple of ", kPanel, " output features, not ", n);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 3 && out.size(0) == n / kPanel &&
+                  out.size(1) == k && out.size(2) == kPanel,
+              "out must be a contiguous float32 [N / ", kPanel, ", K, ", kPanel, "] tensor");
+  pack_panels(weight.data_ptr<float>(), k, n, weight.stride(1), weight.stride(0), out.data_ptr<float>());
+}
+
+int64_t linear_panel_width() { return kPanel; }
+
+// F.linear, through linear_split for float32 batches of up to kSplitMaxRows rows; a packed weight
+// through linear_packed.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  if (weight.dim() == 3) return linear_packed(x, weight, bias);
   if (x.dim() == 2 && x.size(0) <= kSplitMaxRows && x.scalar_type() == at::kFloat) {
     at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
     if (linear_split(out, x.contiguous(), weight, bias)) return out;
@@ -186,11 +224,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_fixed_order(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("pack_linear_weight(Tensor weight, Tensor(a!) out) -> ()");
+  m.def("linear_panel_width() -> int", &linear_panel_width);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_fixed_order", &linear_fixed_order);
+  m.impl("pack_linear_weight", &pack_linear_weight);
 }
 
 }  // namespace kvserve

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,3 +120,66 @@ def test_argmax_rows_nan_is_picked_first(where):
 def test_argmax_rows_strided_rows():
     x = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))[:, :257]  # a slice: row stride 300
     assert torch.equal(OPS.argmax(x), x.argmax(dim=-1))
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    panel = OPS.panel_width
+    out = torch.empty(weight.shape[0] // panel, weight.shape[1], panel)
+    OPS.pack_linear_weight(weight, out)
+    return out
+
+
+def test_pack_linear_weight_lays_out_column_panels():
+    panel = OPS.panel_width
+    weight = torch.randn(3 * panel, 7, generator=torch.Generator().manual_seed(0))
+    packed = _packed(weight.t().contiguous().t())  # any strides
+    for p in range(3):
+        assert torch.equal(packed[p], weight[p * panel:(p + 1) * panel].t())
+    with pytest.raises(RuntimeError, match="multiple of"):
+        OPS.pack_linear_weight(torch.randn(panel + 1, 7), torch.empty(1, 7, panel))
+
+
+# rows: a tile and less, tile tails, several row blocks (120 / 240 rows per pass); depths: one pass
+# (96), two passes with a short second (300), six (1408)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 64, 121, 600])
+@pytest.mark.parametrize("k", [96, 300, 1408])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, k, with_bias):
+    gen = torch.Generator().manual_seed(rows * k)
+    n = 6 * OPS.panel_width
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    got = OPS.linear(x, _packed(weight), bias)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=2e-4 * math.sqrt(k), rtol=1e-5)
+    # batch dimensions are kept, as F.linear keeps them
+    assert OPS.linear(x.view(1, rows, k), _packed(weight), bias).shape == (1, rows, n)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_linear_rows_do_not_depend_on_the_batch(threads):
+    """Every element is one chain over the inputs in order: a row's bits are the same alone, in any
+    batch, at any position and with any number of threads."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(200, 700, generator=gen)
+    packed = _packed(torch.randn(4 * OPS.panel_width, 700, generator=gen))
+    bias = torch.randn(4 * OPS.panel_width, generator=gen)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full = OPS.linear(x, packed, bias)
+        for lo, hi in [(0, 1), (7, 8), (3, 10), (120, 200), (13, 133)]:
+            assert torch.equal(OPS.linear(x[lo:hi], packed, bias), full[lo:hi]), (lo, hi)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(OPS.linear(x, packed, bias), full)
+
+
+def test_packed_linear_refuses_mismatched_inputs():
+    packed = _packed(torch.randn(OPS.panel_width, 32))
+    with pytest.raises(RuntimeError, match="features"):
+        OPS.linear(torch.randn(3, 31), packed, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        OPS.linear(torch.randn(3, 32, dtype=torch.bfloat16), packed, None)

@@ -1,0 +1,37 @@
+// Packed float32 matrix products: c[M, N] = a[M, K] . B (+ bias), B pre-packed into column panels.
+//
+// Layout of a packed B (a linear layer's weight is packed once, when the model is bound): panel p
+// holds columns [p * kPanel, (p + 1) * kPanel) as a contiguous [K][kPanel] block, so the kernel
+// reads each panel front to back. A register tile is kTileRows rows x kPanel columns (two vectors
+// per row: 6 x 16 on AVX2, 12 x 32 on AVX-512), fed by a copy of a's rows interleaved by depth.
+//
+// Every output element is one multiply-add chain over k = 0 .. K-1 in order, starting from the bias
+// (or 0): blocks of kDepth inputs pass through memory between passes, which leaves the chain as it
+// is, and a tile of fewer rows runs the same chains. So a row's result does not depend on how many
+// rows the product has, where the row sits or how many threads run: the product is batch-invariant.
+
+#pragma once
+
+#include <cstdint>
+
+#include "vec.h"
+
+namespace kvserve {
+
+constexpr int kPanel = 2 * W;                 // columns per packed panel
+constexpr int kTileRows = W == 16 ? 12 : 6;   // rows per register tile (2 x kTileRows accumulators)
+constexpr int64_t kDepth = 256;               // inputs per pass: a panel's kDepth x kPanel block stays in L1
+constexpr int64_t kRowBlock = 20 * kTileRows; // rows per pass over the panels: their copy stays in L2
+
+// dst [n / kPanel][k][kPanel] from B, whose element (row i < k, column j < n) is b[j * col_stride +
+// i * row_stride]; n must be a multiple of kPanel. A linear weight [N, K] is B's transpose:
+// col_stride = weight.stride(0), row_stride = weight.stride(1).
+void pack_panels(const float* b, int64_t k, int64_t n, int64_t row_stride, int64_t col_stride, float* dst);
+
+// c[m, n] (rows ldc apart) = a[m, k] (rows lda apart) . B (packed by pack_panels) + bias[n] (none when
+// null). parallel: the panels are split across torch's threads; else the calling thread does all
+// (inside a parallel region of its own).
+void gemm_packed(const float* a, int64_t lda, int64_t m, int64_t k, const float* panels, int64_t n,
+                 const float* bias, float* c, int64_t ldc, bool parallel);
+
+}  // namespace kvserve
