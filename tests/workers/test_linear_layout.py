@@ -63,15 +63,16 @@ def test_layout_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSERVE_CPU_LINEAR", raising=False)
     monkeypatch.setattr(layer_kernels, "_cpu_vendor", lambda: "GenuineIntel")
     assert linear_layout() == "blas"  # MKL is torch's BLAS: tuned for Intel's cores
+    assert linear_layout(deterministic=True) == "packed"  # batch-invariant and faster than the fixed-order one
     monkeypatch.setattr(layer_kernels, "_cpu_vendor", lambda: "AuthenticAMD")
     assert linear_layout() == "packed"
-    assert linear_layout(deterministic=True) == "blas"  # the fixed-order linear reads the BLAS layout
+    assert linear_layout(deterministic=True) == "packed"
     monkeypatch.setenv("KVSERVE_CPU_LINEAR", "blas")
     assert linear_layout() == "blas"
+    assert linear_layout(deterministic=True) == "blas"  # then the fixed-order linear
     monkeypatch.setenv("KVSERVE_CPU_LINEAR", "Packed ")
     monkeypatch.setattr(layer_kernels, "_cpu_vendor", lambda: "GenuineIntel")
     assert linear_layout() == "packed"
-    assert linear_layout(deterministic=True) == "blas"
     monkeypatch.setenv("KVSERVE_CPU_LINEAR", "fast")
     with pytest.raises(ValueError, match="KVSERVE_CPU_LINEAR must be one of packed, blas, not 'fast'"):
         linear_layout()
