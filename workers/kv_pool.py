@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.allocator import huge_empty
+from workers.allocator import prefault_in_background, zeroed_mapping
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,16 @@ class KVPoolSpec:
         return num_bytes // self.bytes_per_block
 
 
-def allocate_kv_pool(spec: KVPoolSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_pool(spec: KVPoolSpec, num_blocks: int, device: torch.device, *,
+                     prefault: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zero-filled pools (zeros, not garbage: masked attention still multiplies the null block); on CPU
-    backed by huge pages where the kernel allows (``workers.allocator``)."""
+    fresh anonymous memory, backed by huge pages where the kernel allows, its pages mapped by a
+    background thread with ``prefault`` (``workers.allocator``)."""
     shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     if device.type == "cpu":
-        pool = huge_empty(shape, spec.dtype).zero_()
+        pool = zeroed_mapping(shape, spec.dtype)
+        if prefault:
+            prefault_in_background(pool)
     else:
         pool = torch.zeros(shape, dtype=spec.dtype, device=device)
     return [(pool[layer, 0], pool[layer, 1]) for layer in range(spec.num_layers)]

@@ -28,6 +28,8 @@ from workers.weight_loader import iter_checkpoint
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_PREFILL_TOKENS = 256  # the warm-up's prefill, at most (``ModelRunner.warm_up``)
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype) -> None:
@@ -60,7 +62,7 @@ class ModelRunner:
         self.eos_token_ids = tuple(config.model.eos_token_ids)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_pool(self.kv_spec, num_blocks, self.device)
+        self.kv_caches = allocate_kv_pool(self.kv_spec, num_blocks, self.device, prefault=True)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -108,10 +110,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run the largest prefill and a full decode batch once, on a throwaway pool, before serving:
-        the BLAS and thread-pool set-up, the first touch of the activation memory and the kernels'
-        scratch happen at start instead of in the first requests' steps."""
-        self.profile_run()
+        """Run a prefill and a full decode batch once, on a throwaway pool, before serving: the BLAS
+        and thread-pool set-up, the first touch of the activation memory and the kernels' scratch
+        happen at start instead of in the first requests' steps. The prefill is at most
+        ``WARM_UP_PREFILL_TOKENS`` long: the largest one (2048 tokens by default) took 2 s of a
+        rank's start on the 2-core VM, and what a larger one would add (more activation memory to
+        touch) costs the first such step milliseconds."""
+        self.profile_run(WARM_UP_PREFILL_TOKENS)
         num_seqs = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
         kv_caches = allocate_kv_pool(self.kv_spec, num_seqs + 1, self.device)
         positions = torch.zeros(num_seqs, dtype=torch.long, device=self.device)
@@ -122,10 +127,11 @@ class ModelRunner:
         del kv_caches, hidden
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
-        """A forward pass at the largest batch the scheduler can form, with a throwaway pool, so the
-        peak activation memory is known before the KV pool takes the rest."""
-        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.max_model_len)
+    def profile_run(self, max_tokens: int | None = None) -> None:
+        """A forward pass at the largest batch the scheduler can form (or of ``max_tokens``), with a
+        throwaway pool, so the peak activation memory is known before the KV pool takes the rest."""
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.max_model_len,
+                         max_tokens or self.config.max_model_len)
         num_blocks = -(-num_tokens // self.block_size) + 1
         kv_caches = allocate_kv_pool(self.kv_spec, num_blocks, self.device)
         positions = torch.arange(num_tokens, device=self.device)

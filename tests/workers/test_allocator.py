@@ -71,3 +71,62 @@ def test_large_arrays_get_huge_pages_where_the_kernel_offers_them():
         assert huge_kb == 0
     else:  # "always" or "madvise": the advised range is backed by 2 MiB pages (all but the unaligned ends)
         assert huge_kb >= 250 * 1024
+
+
+POOL_PROBE = """
+import gc, sys, torch
+from workers.allocator import HUGE_PAGE, prefault_in_background, tune_malloc, zeroed_mapping
+
+def status_kb(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
+
+def anon_huge_kb():
+    return int(open("/proc/self/smaps_rollup").read().split("AnonHugePages:")[1].split()[0])
+
+tune_malloc()  # as on a rank: malloc's heap would hand back used memory; the mapping is fresh
+dirty = torch.empty(64 << 20, dtype=torch.uint8).fill_(0xAB)
+del dirty
+rss, huge = status_kb("VmRSS:"), anon_huge_kb()
+pool = zeroed_mapping((64, 1 << 20), torch.float32)  # 256 MiB
+assert pool.shape == (64, 1 << 20) and pool.dtype == torch.float32 and pool.is_contiguous()
+assert pool.data_ptr() % HUGE_PAGE == 0
+grew_by_allocating = status_kb("VmRSS:") - rss
+pool[17, 123], pool[63, -1] = 1.5, -2.0
+view = pool[16:48]  # 128 MiB (rows of 4 MiB); row 17 written before the prefault, which must not undo it
+del pool
+gc.collect()  # a view keeps the mapping alive
+view[0, 0] = 3.0
+thread = prefault_in_background(view)
+thread.join(timeout=120)
+print(grew_by_allocating, status_kb("VmRSS:") - rss, anon_huge_kb() - huge,
+      float(view[0, 0]), float(view[1, 123]), float(view.sum()), thread.is_alive())
+"""
+
+
+def test_the_kv_pool_mapping_is_zeroed_untouched_and_prefaulted_in_place():
+    """A fresh mapping: zeros though malloc's heap held dirty memory, nothing resident until touched;
+    the background prefault makes all of it resident without changing a value written before."""
+    out = subprocess.run([sys.executable, "-c", POOL_PROBE], capture_output=True, text=True, check=True)
+    grew, resident, huge_kb, first, before, total, alive = out.stdout.split()
+    assert int(grew) < 8 * 1024  # KiB: the 128 MiB view's pages were not touched by the allocation
+    assert alive == "False"
+    assert int(resident) >= 127 * 1024  # the 128 MiB view became resident
+    assert float(first) == 3.0 and float(before) == 1.5 and float(total) == 4.5  # zeros elsewhere
+    setting = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    if "[never]" not in setting:
+        assert int(huge_kb) >= 126 * 1024
+
+
+def test_the_cpu_kv_pool_starts_zeroed():
+    import torch
+
+    from workers.kv_pool import KVPoolSpec, allocate_kv_pool
+
+    spec = KVPoolSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    layers = allocate_kv_pool(spec, 9, torch.device("cpu"), prefault=True)
+    assert len(layers) == 2
+    for k, v in layers:
+        assert k.shape == v.shape == (9, 4, 2, 8)
+        assert not k.any() and not v.any()
+    layers[0][0][3].fill_(1.0)
+    assert float(layers[0][0].sum()) == 4 * 2 * 8 and not layers[1][0].any()
