@@ -121,26 +121,47 @@ class LLMServer:
         self.num_engine_restarts = 0
         self._restarting: asyncio.Task | None = None
         self._dead: str | None = None  # why this replica can serve no more (its health check fails)
+        self._ranks: list | None = None  # the engine's rank actors, started here (tp > 1)
         self.engine = await self._start_engine()
         self._routing_stats: dict = {}
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_routing_stats())
 
     async def _start_engine(self):
+        # at tensor_parallel_size > 1 the ranks start here, their processes booting beside the
+        # scheduler actor's instead of after it (the actor takes them; this replica owns them)
+        from cluster.worker_group import spawn_ranks  # (no torch: the ranks import it)
+
+        options = self._launch_options
+        pg, tp = options["placement_group"], self._config.parallel.tensor_parallel_size
+        first = options["bundle_index"] + 1 if options["first_rank_bundle"] is None else options["first_rank_bundle"]
+        self._ranks = spawn_ranks(self._config, pg, first) if tp > 1 and pg is not None else None
         deadline = time.monotonic() + NAME_RELEASE_S
-        while True:
-            try:
-                actor = launch_scheduler_actor(self._config, **self._launch_options, wait=False)
-                break
-            except ValueError as exc:  # the name of an engine that just died is released a moment later
-                if "already taken" not in str(exc) or time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
+        try:
+            while True:
+                try:
+                    actor = launch_scheduler_actor(self._config, **self._launch_options, ranks=self._ranks, wait=False)
+                    break
+                except ValueError as exc:  # the name of an engine that just died is released a moment later
+                    if "already taken" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.1)
+        except BaseException:
+            self._kill_ranks()
+            raise
         try:
             await actor.ready.remote()
         except BaseException:
             ray.kill(actor, no_restart=True)
+            self._kill_ranks()
             raise
         return actor
+
+    def _kill_ranks(self) -> None:
+        """The ranks this replica started for its engine (after the engine itself died, they would
+        keep their bundles)."""
+        for rank in self._ranks or ():
+            ray.kill(rank, no_restart=True)
+        self._ranks = None
 
     def _live_engine(self):
         """The engine, or EngineUnavailableError while there is none to serve."""
@@ -175,6 +196,7 @@ class LLMServer:
         started = time.monotonic()
         try:
             ray.kill(dead, no_restart=True)
+            self._kill_ranks()
             self.engine = await asyncio.wait_for(self._start_engine(), timeout=ENGINE_START_TIMEOUT_S)
             logger.warning("%s serves again after %.1fs", self.engine_name, time.monotonic() - started)
         except Exception as exc:  # noqa: BLE001 - reported by the health check, which makes Serve replace us

@@ -15,13 +15,14 @@ logger = logging.getLogger(__name__)
 
 class RayExecutor(Executor):
     """``placement_group``/``first_bundle`` place the ranks in a group the caller owns (a Serve
-    replica's); without them the executor reserves its own."""
+    replica's); without them the executor reserves its own. ``ranks``: rank actors already started
+    there (``spawn_ranks``) for the first group; a rebuilt group starts its own."""
 
-    def __init__(self, config: EngineConfig, placement_group=None, first_bundle: int = 0) -> None:
+    def __init__(self, config: EngineConfig, placement_group=None, first_bundle: int = 0, ranks: list | None = None) -> None:
         ensure_ray(min_cpus=config.parallel.tensor_parallel_size + 2)
         self.config = config
         self._placement = {"placement_group": placement_group, "first_bundle": first_bundle}
-        self.group = WorkerGroup(config, **self._placement)
+        self.group = WorkerGroup(config, **self._placement, actors=ranks)
         self.num_blocks: int | None = None
         self.num_restarts = 0
         self._kv_cache_info: dict = {}

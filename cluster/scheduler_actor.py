@@ -188,10 +188,12 @@ def launch_scheduler_actor(
     torch_threads: int | None = None,
     wait: bool = True,
     ready_timeout_s: float = 600.0,
+    ranks: list | None = None,
 ):
     """Start a scheduler actor and (``wait``) block until it serves. In ``placement_group``, the actor
     takes bundle ``bundle_index`` and its ranks (tensor_parallel_size > 1) the bundles from
-    ``first_rank_bundle`` on (default: the ones after the actor's)."""
+    ``first_rank_bundle`` on (default: the ones after the actor's); ``ranks``: rank actors the caller
+    already created there (``cluster.worker_group.spawn_ranks``), which it then owns and kills."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from cluster.ray_env import ensure_ray
@@ -204,7 +206,7 @@ def launch_scheduler_actor(
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, bundle_index)
         if config.parallel.tensor_parallel_size > 1:
             first = bundle_index + 1 if first_rank_bundle is None else first_rank_bundle
-            executor_kwargs = {"placement_group": placement_group, "first_bundle": first}
+            executor_kwargs = {"placement_group": placement_group, "first_bundle": first, "ranks": ranks}
     actor = ray.remote(SchedulerActor).options(**options).remote(
         config, executor_kwargs=executor_kwargs, max_waiting_requests=max_waiting_requests,
         torch_threads=torch_threads)

@@ -1,4 +1,7 @@
-"""The Ray actor around one tensor-parallel rank (``workers.worker.Worker``): a thin wrapper."""
+"""The Ray actor around one tensor-parallel rank (``workers.worker.Worker``): a thin wrapper.
+
+torch and the worker are imported when the actor starts, not with this module, so a process that
+only creates ranks (a Serve replica, ``cluster.worker_group.spawn_ranks``) does not import them."""
 
 from __future__ import annotations
 
@@ -6,19 +9,19 @@ import os
 import socket
 
 import ray
-import torch
 
 from engine.config import EngineConfig
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 from workers.model_source import localize
-from workers.worker import Worker
 
 
 class WorkerActor:
     def __init__(self, config: EngineConfig, rank: int) -> None:
         self.config = localize(config)  # the checkpoint's copy on this node
         self.rank = rank
-        self.worker: Worker | None = None
+        self.worker = None  # a workers.worker.Worker once started
+        import torch
+
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
         torch.set_num_threads(max(1, int(cpus)))  # Ray pins OMP_NUM_THREADS=1 in actors
 
@@ -36,6 +39,8 @@ class WorkerActor:
             return f"tcp://{ip}:{s.getsockname()[1]}"
 
     def start(self, init_method: str) -> None:
+        from workers.worker import Worker
+
         self.worker = Worker(self.config, self.rank, init_method)
         self.worker.init_device()
         self.worker.load_model()

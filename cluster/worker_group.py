@@ -47,15 +47,39 @@ def step_failed(cause: BaseException) -> StepFailedError:
     return StepFailedError(type(cause).__name__, message[0][:200] if message else "")
 
 
+def rank_config(config: EngineConfig) -> EngineConfig:
+    """The ranks' config: the device decided (``auto``: CUDA where the cluster has GPUs)."""
+    use_gpu = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
+    return dataclasses.replace(config, device="cuda" if use_gpu else "cpu")
+
+
+def spawn_ranks(config: EngineConfig, placement_group: PlacementGroup, first_bundle: int = 0) -> list:
+    """Create the rank actors in bundles [first_bundle, first_bundle + tp) without waiting for them:
+    their processes start (imports, about 3 s) while the caller does something else, e.g. a Serve
+    replica starting the scheduler actor that takes them (``WorkerGroup(actors=...)``)."""
+    config = rank_config(config)
+    actor_cls = ray.remote(WorkerActor)
+    return [
+        actor_cls.options(
+            num_cpus=1, num_gpus=1 if config.device == "cuda" else 0, max_restarts=0,
+            enable_task_events=task_events_enabled(),  # off: one call per rank per step
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, first_bundle + rank),
+        ).remote(config, rank)
+        for rank in range(config.parallel.tensor_parallel_size)
+    ]
+
+
 class WorkerGroup:
     """``placement_group``/``first_bundle``: place the ranks in bundles [first_bundle, first_bundle + tp)
-    of a group someone else owns (a Serve replica's); by default the group makes and owns its own."""
+    of a group someone else owns (a Serve replica's); by default the group makes and owns its own.
+    ``actors``: ranks ``spawn_ranks`` already created there, taken instead of new ones."""
 
     def __init__(self, config: EngineConfig, *, placement_group: PlacementGroup | None = None,
-                 first_bundle: int = 0, step_timeout_s: float = 600.0, placement_timeout_s: float = 60.0):
+                 first_bundle: int = 0, step_timeout_s: float = 600.0, placement_timeout_s: float = 60.0,
+                 actors: list | None = None):
         self.num_ranks = config.parallel.tensor_parallel_size
-        self.use_gpu = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
-        self.config = dataclasses.replace(config, device="cuda" if self.use_gpu else "cpu")
+        self.config = rank_config(config)
+        self.use_gpu = self.config.device == "cuda"
         self.step_timeout_s = step_timeout_s
         self.owns_placement_group = placement_group is None
         if placement_group is None:
@@ -65,15 +89,9 @@ class WorkerGroup:
             raise PlacementError(f"the placement group for {self.num_ranks} ranks is not ready after "
                                  f"{placement_timeout_s:g}s")
         self.placement_group = placement_group
-        actor_cls = ray.remote(WorkerActor)
-        self.actors = [
-            actor_cls.options(
-                num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0,
-                enable_task_events=task_events_enabled(),  # off: one call per rank per step
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, first_bundle + rank),
-            ).remote(self.config, rank)
-            for rank in range(self.num_ranks)
-        ]
+        if actors is not None and len(actors) != self.num_ranks:
+            raise ValueError(f"{len(actors)} rank actors given for tensor_parallel_size {self.num_ranks}")
+        self.actors = list(actors) if actors is not None else spawn_ranks(config, placement_group, first_bundle)
         self.dispatch = config.parallel.tp_dispatch
         self._compiled = None
         try:
