@@ -78,10 +78,26 @@ def until_served(url: str, timeout_s: float) -> tuple[float, list[httpx.Response
 
 
 def test_a_killed_scheduler_actor_is_rebuilt_and_refusals_are_clean(served, model_dirs):
+    """At TP 2: the replica starts the rank actors beside the scheduler actor and owns them; the
+    rebuilt engine runs on new ranks, the old ones gone (they would hold the bundles the new ones
+    need), and its tokens are TP 1's."""
+    import os
+
+    import ray
+
+    from engine import LLM, SamplingParams
+
     url = served["url"]
-    deploy(model_dirs["llama"], "recover")
-    assert complete(url).status_code == 200
+    deploy(model_dirs["llama"], "recover", tensor_parallel_size=2)
+    body = {"model": MODEL, "prompt": "two ranks", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with LLM(model=model_dirs["llama"], num_kv_blocks=256) as llm:
+        [expected] = llm.generate("two ranks", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    first = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert first.json()["choices"][0]["text"] == expected.outputs[0].text
     assert httpx.get(f"{url}/health").status_code == 200
+    [name] = engine_names("recover")
+    old_ranks = ray.get(ray.get_actor(name, namespace="kvserve").worker_pids.remote())
+    assert len(old_ranks) == 2
 
     in_flight: dict = {}
 
@@ -123,6 +139,12 @@ def test_a_killed_scheduler_actor_is_rebuilt_and_refusals_are_clean(served, mode
         assert_unavailable(r)
     print(f"a completion succeeds again {seconds:.1f}s after the first refusal")
     assert engine_names("recover") == [killed]  # the same replica, a new actor under the same name
+    new_ranks = ray.get(ray.get_actor(killed, namespace="kvserve").worker_pids.remote())
+    assert len(new_ranks) == 2 and not set(new_ranks) & set(old_ranks)
+    for pid in old_ranks:  # killed, not left holding their bundles
+        wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), timeout_s=10)
+    again = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert again.json()["choices"][0]["text"] == expected.outputs[0].text
     assert httpx.get(f"{url}/health").status_code == 200
     assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == [MODEL]
     reply = stub.Generate(pb.GenerateRequest(text="hi", params=pb.SamplingParameters(max_tokens=2, ignore_eos=True)),
@@ -133,42 +155,6 @@ def test_a_killed_scheduler_actor_is_rebuilt_and_refusals_are_clean(served, mode
     from ray import serve
 
     serve.delete("recover")
-
-
-def test_at_tp2_the_replica_starts_the_ranks_and_replaces_them_with_a_killed_scheduler_actor(served, model_dirs):
-    """The replica creates the rank actors beside the scheduler actor and owns them: after the
-    scheduler actor is killed, the rebuilt engine runs on new ranks, the old ones are gone (they
-    would hold the bundles the new ones need), and the tokens are TP 1's."""
-    import os
-
-    import ray
-
-    from engine import LLM, SamplingParams
-
-    url = served["url"]
-    deploy(model_dirs["llama"], "recover-tp", tensor_parallel_size=2)
-    body = {"model": MODEL, "prompt": "two ranks", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    with LLM(model=model_dirs["llama"], num_kv_blocks=256) as llm:
-        expected = llm.generate("two ranks", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    first = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    assert first.json()["choices"][0]["text"] == expected[0].outputs[0].text
-    [name] = engine_names("recover-tp")
-    old_ranks = ray.get(ray.get_actor(name, namespace="kvserve").worker_pids.remote())
-    assert len(old_ranks) == 2
-    kill_engine("recover-tp")
-    seconds, refused = until_served(url, timeout_s=60)
-    for r in refused:
-        assert_unavailable(r)
-    new_ranks = ray.get(ray.get_actor(name, namespace="kvserve").worker_pids.remote())
-    assert len(new_ranks) == 2 and not set(new_ranks) & set(old_ranks)
-    for pid in old_ranks:  # killed, not left holding their bundles
-        wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), timeout_s=10)
-    again = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    assert again.json()["choices"][0]["text"] == expected[0].outputs[0].text
-    print(f"TP 2: a completion succeeds again {seconds:.1f}s after the scheduler actor was killed")
-    from ray import serve
-
-    serve.delete("recover-tp")
 
 
 def test_without_restarts_the_health_check_fails_and_serve_replaces_the_replica(served, model_dirs):
