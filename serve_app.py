@@ -131,9 +131,8 @@ class LLMServer:
         # scheduler actor's instead of after it (the actor takes them; this replica owns them)
         from cluster.worker_group import spawn_ranks  # (no torch: the ranks import it)
 
-        options = self._launch_options
-        pg, tp = options["placement_group"], self._config.parallel.tensor_parallel_size
-        first = options["bundle_index"] + 1 if options["first_rank_bundle"] is None else options["first_rank_bundle"]
+        pg, first = self._launch_options["placement_group"], self._launch_options["first_rank_bundle"]
+        tp = self._config.parallel.tensor_parallel_size
         self._ranks = spawn_ranks(self._config, pg, first) if tp > 1 and pg is not None else None
         deadline = time.monotonic() + NAME_RELEASE_S
         try:

@@ -91,7 +91,7 @@ class WorkerGroup:
         self.placement_group = placement_group
         if actors is not None and len(actors) != self.num_ranks:
             raise ValueError(f"{len(actors)} rank actors given for tensor_parallel_size {self.num_ranks}")
-        self.actors = list(actors) if actors is not None else spawn_ranks(config, placement_group, first_bundle)
+        self.actors = list(actors) if actors is not None else spawn_ranks(self.config, placement_group, first_bundle)
         self.dispatch = config.parallel.tp_dispatch
         self._compiled = None
         try:

@@ -83,7 +83,7 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def zeroed_mapping(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor on fresh anonymous memory (2 MiB-aligned, huge pages advised), whose
     pages are faulted in on first touch: nothing is written at allocation."""
-    nbytes = max(1, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps ``region`` alive as long as any view
     offset = (-raw.data_ptr()) % HUGE_PAGE
