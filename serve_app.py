@@ -368,9 +368,11 @@ class EngineWatch:
     ``engine:<app>:<replica>``) are asked ``ready``, at most once a second. While an application that
     keeps at least one replica (``min_engines`` > 0; autoscaling from zero has none to ask) has no
     engine answering, the Ingress refuses requests with 503 instead of leaving them waiting for a
-    replica that is starting, being replaced, or cannot be placed."""
+    replica that is starting, being replaced, or cannot be placed. While none answers it asks
+    every ``DOWN_PERIOD_S``, so that a replica that comes back is used within that time."""
 
     PERIOD_S = 1.0
+    DOWN_PERIOD_S = 0.2
     PING_TIMEOUT_S = 1.0
 
     def __init__(self, app_name: str, min_engines: int) -> None:
@@ -389,12 +391,16 @@ class EngineWatch:
             return True
         return await self.num_up() > 0
 
+    def _fresh(self) -> bool:
+        period = self.PERIOD_S if self._num_up else self.DOWN_PERIOD_S
+        return time.monotonic() - self._checked_at < period
+
     async def num_up(self) -> int:
-        if time.monotonic() - self._checked_at < self.PERIOD_S:
+        if self._fresh():
             return self._num_up
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:  # one lookup for every request that arrives meanwhile
-            if time.monotonic() - self._checked_at >= self.PERIOD_S:
+            if not self._fresh():
                 actors = await asyncio.get_running_loop().run_in_executor(None, self._actors)
                 answers = await asyncio.gather(*(self._ping(a) for a in actors))
                 self._num_up, self._checked_at = sum(answers), time.monotonic()
@@ -419,11 +425,14 @@ class EngineWatch:
 
 
 class EngineGate:
-    """ASGI middleware of the Ingress's HTTP app: /health and /v1/models answer 503, with an OpenAI
-    error body, while no engine serves (a key still guards /v1/models: a bad one gets the app's 401);
-    every 503 the app sends (queue full, no engine, an engine restarting) carries Retry-After."""
+    """ASGI middleware of the Ingress's HTTP app: /health, /v1/models and the generating routes
+    answer 503, with an OpenAI error body, while no engine serves (a key still guards all but /health:
+    a bad one gets the app's 401). A refused completion is answered here, before its body is read and
+    parsed: while a replica is replaced, clients retrying would otherwise spend the CPU the new
+    replica needs to start. Every 503 the app sends (queue full, no engine, an engine restarting)
+    carries Retry-After."""
 
-    GATED = ("/health", "/v1/models")
+    GATED = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
     def __init__(self, app, available, api_key: str | None) -> None:
         self.app, self.available, self.api_key = app, available, api_key
