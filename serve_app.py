@@ -6,12 +6,12 @@
                             │  DeploymentHandle, prefix-aware router (cluster/router.py)
                             ▼
                        LLMServer replica ── owns ──► SchedulerActor (+ worker actors when tp > 1)
-                                                     all in the replica's placement group
+                       (cluster/llm_server.py)        all in the replica's placement group
 
 Each LLMServer replica reserves one placement group: its own bundle, the engine's bundle (the
 scheduler actor, which also holds the model at tp = 1), and one bundle per rank at tp > 1; Serve
 scales replicas with these resources accounted. The reservations are sized for the cluster the app
-will run on (`plan_reservations`): where the CPUs are too few for the replica, the scheduler actor
+will run on (`plan_reservations`, cluster/reservations.py): where the CPUs are too few for the replica, the scheduler actor
 and the Ingress to have bundles of their own, they take none and share the engine's or rank 0's,
 and a request that cannot fit at all stops the build with the setting to change.
 
@@ -31,248 +31,38 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
-from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from api import grpc_serving
-from api.engine_client import OpenAIError
+from api.errors import OpenAIError
 from api.http_app import build_openai_app, validation_error
 from api.metrics import prometheus_text
 from api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from api.openai_serving import OpenAIServing
 from cluster.app_args import ENGINE_KWARGS, AppArgs, _with_options, api_key_from_env, api_key_from_file
-from cluster.scheduler_actor import launch_scheduler_actor
-from engine import EngineDeadError, EngineOverloadedError, SamplingParams, engine_config
-from engine.config import EngineConfig, ModelConfig
+from cluster.llm_server import (ENGINE_NAMESPACE, ENGINE_STOPPED, HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S,
+                                ROUTING_STATS_PERIOD_S, EngineUnavailableError, LLMServer, _cause)
+from cluster.reservations import cluster_cpus, plan_reservations
+from engine import EngineOverloadedError, SamplingParams, engine_config
+from engine.config import ModelConfig
 from engine.messages import RequestOutput, merge_outputs
 from engine.sampling_params import RequestOutputKind
 from engine.tokenizer import Tokenizer
 from workers.model_source import localize_model
 
-ENGINE_NAMESPACE = "kvserve"
-ROUTING_STATS_PERIOD_S = 1.0
-HEALTH_CHECK_PERIOD_S = 2.0
-HEALTH_CHECK_TIMEOUT_S = 10.0
-ENGINE_START_TIMEOUT_S = 600.0
-NAME_RELEASE_S = 10.0  # how long a rebuilt engine waits for its dead predecessor's name
 RETRY_AFTER_S = 2  # the Retry-After of every 503
-ENGINE_STOPPED = "the engine stopped"
 NO_ENGINE = "no engine replica is serving yet (starting, restarting or waiting for resources); retry shortly"
 
 logger = logging.getLogger("ray.serve")
-
-
-class EngineUnavailableError(OpenAIError, EngineDeadError):
-    """No engine can take the request now, but one is (re)starting: HTTP 503 with Retry-After, gRPC
-    UNAVAILABLE. Raised while a replica's scheduler actor is being rebuilt, while no engine replica of
-    the application answers, and to the requests in flight on an engine that died."""
-
-    def __init__(self, message: str) -> None:
-        OpenAIError.__init__(self, 503, message, "server_error", code="engine_unavailable")
-
-
-def _cause(exc: RayTaskError) -> BaseException:
-    """The exception a remote call raised, without Ray's wrapping (task names, pids, tracebacks); an
-    engine that died under it becomes EngineUnavailableError."""
-    cause = exc.cause
-    if isinstance(cause, RayActorError):
-        return EngineUnavailableError(ENGINE_STOPPED)
-    return cause if isinstance(cause, Exception) else exc
-
-
-def _engine_gave_up(error: BaseException) -> bool:
-    """The engine runs but gave up on its ranks (not one that stopped: that is EngineUnavailableError)."""
-    return isinstance(error, EngineDeadError) and not isinstance(error, EngineUnavailableError)
-
-
-class LLMServer:
-    """One engine instance: starts its scheduler actor (and ranks) in this replica's placement group.
-
-    A scheduler actor that dies is noticed by the next call to it (a request, the routing-stats
-    refresh every second, the health check) and rebuilt in place, in the same bundles, up to
-    ``max_engine_restarts`` times; meanwhile requests are refused with EngineUnavailableError. A
-    rebuild that fails, one more death, or an engine that gave up on its ranks (EngineDeadError:
-    ``max_worker_restarts`` spent) makes ``check_health`` fail: Serve then replaces the replica (and
-    its placement group)."""
-
-    async def __init__(self, config: EngineConfig, args: AppArgs, use_gpu: bool, plan: Reservations) -> None:
-        ctx = serve.get_replica_context()
-        tp = config.parallel.tensor_parallel_size
-        self.engine_name = f"engine:{ctx.app_name}:{ctx.replica_tag}"
-        self._config = config
-        self._launch_options = dict(
-            placement_group=ray.util.get_current_placement_group(), bundle_index=plan.engine_bundle,
-            first_rank_bundle=plan.first_rank_bundle, num_cpus=plan.engine_cpus,
-            num_gpus=1 if use_gpu and tp == 1 else 0,
-            name=self.engine_name, namespace=ENGINE_NAMESPACE,
-            max_waiting_requests=args.max_waiting_requests,
-            torch_threads=(args.torch_threads or max(1, int(args.engine_cpus))) if tp == 1 else None,
-        )
-        self.max_engine_restarts = args.max_engine_restarts
-        self.num_engine_restarts = 0
-        self._restarting: asyncio.Task | None = None
-        self._dead: str | None = None  # why this replica can serve no more (its health check fails)
-        self._ranks: list | None = None  # the engine's rank actors, started here (tp > 1)
-        self.engine = await self._start_engine()
-        self._routing_stats: dict = {}
-        self._refresher = asyncio.get_running_loop().create_task(self._refresh_routing_stats())
-
-    async def _start_engine(self):
-        # at tensor_parallel_size > 1 the ranks start here, their processes booting beside the
-        # scheduler actor's instead of after it (the actor takes them; this replica owns them)
-        from cluster.worker_group import spawn_ranks  # (no torch: the ranks import it)
-
-        pg, first = self._launch_options["placement_group"], self._launch_options["first_rank_bundle"]
-        tp = self._config.parallel.tensor_parallel_size
-        self._ranks = spawn_ranks(self._config, pg, first) if tp > 1 and pg is not None else None
-        deadline = time.monotonic() + NAME_RELEASE_S
-        try:
-            while True:
-                try:
-                    actor = launch_scheduler_actor(self._config, **self._launch_options, ranks=self._ranks, wait=False)
-                    break
-                except ValueError as exc:  # the name of an engine that just died is released a moment later
-                    if "already taken" not in str(exc) or time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.1)
-        except BaseException:
-            self._kill_ranks()
-            raise
-        try:
-            await actor.ready.remote()
-        except BaseException:
-            ray.kill(actor, no_restart=True)
-            self._kill_ranks()
-            raise
-        return actor
-
-    def _kill_ranks(self) -> None:
-        """The ranks this replica started for its engine (after the engine itself died, they would
-        keep their bundles)."""
-        for rank in self._ranks or ():
-            ray.kill(rank, no_restart=True)
-        self._ranks = None
-
-    def _live_engine(self):
-        """The engine, or EngineUnavailableError while there is none to serve."""
-        if self._dead is not None:
-            raise EngineUnavailableError(f"{ENGINE_STOPPED} ({self._dead}); a new replica is starting")
-        if self._restarting is not None:
-            raise EngineUnavailableError("the engine is restarting; retry shortly")
-        return self.engine
-
-    def _engine_died(self, engine, exc: BaseException) -> None:
-        """``engine`` answered a call with ``exc``: if it died, rebuild it (once per death)."""
-        if not isinstance(exc, ActorDiedError) or engine is not self.engine:
-            return  # a transient error, or news of an engine already replaced
-        if self._restarting is not None or self._dead is not None:
-            return
-        if self.num_engine_restarts >= self.max_engine_restarts:
-            self._dead = f"the engine died after max_engine_restarts={self.max_engine_restarts} restarts"
-            logger.error("%s: %s", self.engine_name, self._dead)
-            return
-        logger.warning("%s died; starting a new one in the same bundles", self.engine_name)
-        self._restarting = asyncio.get_running_loop().create_task(
-            self._restart_engine(engine), context=contextvars.Context())  # not a child of a request's task
-
-    def _engine_is_dead(self, engine, error: BaseException) -> None:
-        """``engine`` runs but can serve no more (it gave up on its ranks): the health check fails."""
-        if engine is self.engine and self._dead is None:
-            self._dead = f"the engine is dead: {error}"
-            logger.error("%s: %s", self.engine_name, self._dead)
-
-    async def _restart_engine(self, dead) -> None:
-        self.num_engine_restarts += 1
-        started = time.monotonic()
-        try:
-            ray.kill(dead, no_restart=True)
-            self._kill_ranks()
-            self.engine = await asyncio.wait_for(self._start_engine(), timeout=ENGINE_START_TIMEOUT_S)
-            logger.warning("%s serves again after %.1fs", self.engine_name, time.monotonic() - started)
-        except Exception as exc:  # noqa: BLE001 - reported by the health check, which makes Serve replace us
-            self._dead = f"the engine could not be restarted: {type(exc).__name__}"
-            logger.error("%s: %s", self.engine_name, self._dead, exc_info=exc)
-        finally:
-            self._restarting = None
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, subscriber: str = ""):
-        """Admit the request into this replica's engine and yield the engine's actor name: the outputs
-        flow from that actor to ``subscriber`` on its multiplexed stream. The call stays open until the
-        request ends, so Serve counts it as ongoing here; cancelled first, it aborts the request."""
-        engine = self._live_engine()
-        try:
-            await engine.add_request.remote(request_id, prompt_token_ids, params, cache_salt, subscriber)
-        except RayTaskError as exc:
-            cause = _cause(exc)
-            if _engine_gave_up(cause):  # its ranks are given up on: a new replica is needed
-                self._engine_is_dead(engine, cause)
-                raise EngineUnavailableError(f"{ENGINE_STOPPED}; a new replica is starting") from None
-            raise cause from None
-        except RayActorError as exc:
-            self._engine_died(engine, exc)
-            raise EngineUnavailableError(ENGINE_STOPPED + "; retry shortly") from None
-        finished = False
-        try:
-            yield self.engine_name
-            await engine.wait_finished.remote(request_id)
-            finished = True
-        except RayActorError as exc:  # the request's own stream reports it to the Ingress
-            finished = True
-            self._engine_died(engine, exc)
-        finally:
-            if not finished:
-                engine.abort.remote(request_id)
-
-    async def _refresh_routing_stats(self) -> None:
-        while True:
-            engine = self.engine
-            try:
-                if self._restarting is None and self._dead is None:
-                    self._routing_stats = await engine.routing_stats.remote()
-            except Exception as exc:  # noqa: BLE001 - a dead engine is rebuilt, or reported by the health check
-                self._engine_died(engine, exc)
-            await asyncio.sleep(ROUTING_STATS_PERIOD_S)
-
-    def record_routing_stats(self) -> dict:
-        return self._routing_stats
-
-    async def stats(self) -> dict:
-        return await self._live_engine().stats.remote()
-
-    async def placement(self) -> dict:
-        """Placement group ids of this replica, its scheduler actor and its ranks."""
-        return {"replica": ray.get_runtime_context().get_placement_group_id(),
-                **await self._live_engine().placement.remote()}
-
-    async def check_health(self) -> None:
-        """Serve's health check: fails when the engine is dead for good (Serve then replaces this
-        replica) or does not answer; passes while a rebuild is under way."""
-        if self._dead is not None:
-            raise RuntimeError(self._dead)
-        if self._restarting is not None:
-            return
-        engine = self.engine
-        try:
-            await asyncio.wait_for(engine.ready.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
-        except RayTaskError as exc:
-            cause = _cause(exc)
-            if _engine_gave_up(cause):
-                self._engine_is_dead(engine, cause)
-            raise RuntimeError(self._dead or f"the engine's health check failed: {type(cause).__name__}") from None
-        except RayActorError as exc:
-            self._engine_died(engine, exc)
-            if self._dead is not None or self._restarting is None:
-                raise RuntimeError(self._dead or f"the engine does not answer: {type(exc).__name__}") from None
 
 
 class ServeEngineClient:
@@ -609,88 +399,6 @@ def _use_gpu(device: str, accelerator_type: str | None = None) -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-DEFAULT_PROXY_CPUS = 0.5
-
-
-@dataclass(frozen=True)
-class Reservations:
-    """What one LLMServer replica reserves (its placement group) and where each actor goes in it."""
-
-    bundles: list[dict[str, float]]
-    replica_cpus: float  # the LLMServer replica actor, in bundle 0
-    engine_bundle: int  # the scheduler actor's bundle
-    engine_cpus: float  # the scheduler actor's CPUs (it runs the model at tp = 1)
-    first_rank_bundle: int  # rank r takes bundle first_rank_bundle + r (tp > 1)
-    ingress_cpus: float
-
-
-def cluster_cpus() -> tuple[float, float] | None:
-    """(CPUs of the largest node, CPUs of the cluster) where the application will run, or None when
-    that cannot be known here. `serve run serve_app:app` builds the app before it starts or joins Ray:
-    without RAY_ADDRESS and without a cluster from `ray start` on this machine it starts a local one,
-    with the CPUs Ray detects here."""
-    try:
-        if ray.is_initialized():
-            cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
-            return (max(cpus), sum(cpus)) if cpus else None
-        from ray._private.services import canonicalize_bootstrap_address
-        from ray._private.utils import get_num_cpus
-
-        if canonicalize_bootstrap_address(None) is None:
-            local = float(get_num_cpus())
-            return local, local
-    except Exception:  # noqa: BLE001 - an unknown cluster: the default reservations, unchecked
-        pass
-    return None
-
-
-def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | None) -> Reservations:
-    """Each replica's bundles: [replica] + [engine (the model at tp = 1)] or [replica, scheduler] +
-    [rank] * tp. The engine (or each rank) takes ``engine_cpus``; the replica, the scheduler actor at
-    tp > 1 and the Ingress take ``proxy_cpus``, by default 0.5 or what the cluster leaves over (0
-    where it leaves nothing: they then share bundle 0, the engine's or rank 0's). ``cpus`` is (largest
-    node, cluster) or None (unknown: nothing is checked). Raises ValueError, naming the setting to
-    change, when the reservations cannot fit: a placement group that can never be placed would leave
-    every request waiting."""
-    tp = args.tensor_parallel_size
-    high = args.replica_range[1] if args.autoscaling else (args.num_replicas or 1)
-    compute = args.engine_cpus * tp  # the engine at tp = 1, the ranks above
-    shared = 1 if tp == 1 else 2  # CPU-less actors beside the compute: the replica (+ the scheduler)
-    proxy = args.proxy_cpus
-    if cpus is not None:
-        node, total = cpus
-        per_group = node if args.placement_strategy == "STRICT_PACK" else total
-        where = "the largest node" if per_group == node else "the cluster"
-        if compute > per_group:
-            setting = (f"tensor_parallel_size={tp} with engine_cpus={args.engine_cpus:g} per rank" if tp > 1
-                       else f"engine_cpus={args.engine_cpus:g}")
-            lower = "tensor_parallel_size (or engine_cpus)" if tp > 1 else "engine_cpus"
-            raise ValueError(f"{setting} needs {compute:g} CPUs for one engine but {where} has {per_group:g}: "
-                             f"lower {lower}, or run on a bigger node or cluster")
-        if compute * high > total:
-            raise ValueError(f"{high} replicas need {compute * high:g} CPUs for their engines but the cluster has "
-                             f"{total:g}: lower num_replicas / max_replicas (or engine_cpus, tensor_parallel_size)")
-        if proxy is None:
-            room = min((per_group - compute) / shared, (total - compute * high) / (shared * high + 1))
-            proxy = min(DEFAULT_PROXY_CPUS, math.floor(max(room, 0.0) * 100) / 100)
-        elif compute + shared * proxy > per_group or (compute + shared * proxy) * high + proxy > total:
-            raise ValueError(f"proxy_cpus={proxy:g} leaves too few CPUs for the engines ({total:g} in the cluster, "
-                             f"{per_group:g} for one replica): lower proxy_cpus (0 is allowed)")
-    elif proxy is None:
-        proxy = DEFAULT_PROXY_CPUS
-    gpu = {"GPU": 1.0} if use_gpu else {}
-    if use_gpu and args.accelerator_type is not None:  # Ray's node label resource for that GPU model
-        gpu[f"accelerator_type:{args.accelerator_type}"] = 0.001
-    engine = [{"CPU": args.engine_cpus, **gpu}] * tp
-    if proxy > 0:
-        aux = [{"CPU": proxy}] * shared
-        return Reservations(aux + engine, replica_cpus=proxy, engine_bundle=1,
-                            engine_cpus=args.engine_cpus if tp == 1 else proxy, first_rank_bundle=shared,
-                            ingress_cpus=proxy)
-    return Reservations(engine, replica_cpus=0.0, engine_bundle=0, engine_cpus=args.engine_cpus if tp == 1 else 0.0,
-                        first_rank_bundle=0, ingress_cpus=0.0)
 
 
 def build_app(args: AppArgs | dict | None = None):

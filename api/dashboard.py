@@ -26,7 +26,7 @@ from pathlib import Path
 from fastapi import Query, Request
 from fastapi.responses import HTMLResponse, Response
 
-from api.engine_client import OpenAIError
+from api.errors import OpenAIError
 
 PAGE = Path(__file__).with_name("static") / "dashboard.html"
 POLL_INTERVAL_S = 1.5

@@ -51,7 +51,8 @@ import grpc
 
 from api import kvserve_pb2 as pb
 from api import kvserve_pb2_grpc
-from api.engine_client import EngineClient, aclose_quietly, clean_message, root_cause
+from api.engine_client import EngineClient, aclose_quietly
+from api.errors import clean_message, root_cause
 from api.limits import check_float, check_int, check_ints
 from engine.core import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.messages import CompletionOutput, RequestOutput

@@ -37,7 +37,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.dashboard import dashboard_data, dashboard_page
-from api.engine_client import OpenAIError
+from api.errors import OpenAIError
 from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from api.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api.openai_serving import EventStream, OpenAIServing

@@ -28,7 +28,8 @@ from typing import TypeVar
 import jinja2
 from pydantic import BaseModel
 
-from api.engine_client import AsyncLLMClient, EngineClient, EngineStreams, OpenAIError
+from api.engine_client import AsyncLLMClient, EngineClient, EngineStreams
+from api.errors import OpenAIError
 from api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from api.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  NamedToolChoice, TokenizeRequest)

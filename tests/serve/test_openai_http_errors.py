@@ -426,7 +426,7 @@ def test_openai_errors_cross_processes_whole():
     """Pickled (as a Serve handle's caller receives it), an OpenAIError keeps its status and body."""
     import pickle
 
-    from api.engine_client import OpenAIError
+    from api.errors import OpenAIError
 
     error = OpenAIError(404, "The model `x` does not exist.", "NotFoundError", "model", "model_not_found")
     copy = pickle.loads(pickle.dumps(error))

@@ -106,7 +106,7 @@ def test_python_handles(served, offline):
 def test_python_handles_take_openai_bodies(served, offline):
     """handle.completions / chat (and their _stream forms) take OpenAI request bodies and return what
     the HTTP API would; a bad body raises OpenAIError with the API's status and body."""
-    from api.engine_client import OpenAIError
+    from api.errors import OpenAIError
 
     handle = served["handle"]
     body = {"model": MODEL, "prompt": "Salt and pepper", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
