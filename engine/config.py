@@ -187,8 +187,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.deterministic and self.attention_backend in ("torch", "triton"):
-            raise ValueError(f"deterministic=True needs attention_backend 'cpu' or 'auto', not {self.attention_backend!r}")
+        if self.deterministic and self.attention_backend == "torch":
+            raise ValueError("deterministic=True needs attention_backend 'cpu', 'triton' or 'auto', not 'torch'")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         for name in ("max_n", "max_logprobs", "max_stop_sequences", "max_stop_token_ids"):

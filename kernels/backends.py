@@ -38,12 +38,14 @@ def deterministic_error(backend: AttentionBackend, dtype: torch.dtype) -> str | 
         why = {
             "torch": ("plain torch's linear layers reach BLAS, which picks its kernel and its blocking from the "
                       "number of rows, and its decode attention pads each slice to the slice's longest context"),
-            "triton": "the Triton kernels split keys across programs by the size of the launch",
         }.get(backend.name, "its reductions depend on the batch")
-        return (f"deterministic=True needs attention_backend='cpu' (the compiled CPU kernels): with the "
-                f"{backend.name} backend {why}")
-    if dtype != torch.float32:
-        return f"deterministic=True runs float32 models only, not {str(dtype).removeprefix('torch.')}"
+        return (f"deterministic=True needs attention_backend 'cpu' (the compiled CPU kernels) or 'triton': with "
+                f"the {backend.name} backend {why}")
+    allowed = getattr(backend, "deterministic_dtypes", (torch.float32,))
+    if dtype not in allowed:
+        names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+        return (f"deterministic=True with the {backend.name} backend runs {names} models only, "
+                f"not {str(dtype).removeprefix('torch.')}")
     return None
 
 

@@ -51,7 +51,7 @@ class ModelRunner:
         if self.attention_backend.layer_ops is not None:
             bind_cpu_kernels(self.model, self.attention_backend.layer_ops, config.deterministic)
         elif getattr(self.attention_backend, "fused_ops", None) is not None:
-            bind_layer_ops(self.model, self.attention_backend.fused_ops)
+            bind_layer_ops(self.model, self.attention_backend.fused_ops, config.deterministic)
         if tp.is_first_rank:
             logger.info(why + ("; deterministic: fixed-order linear and attention, no shared-prefix groups"
                                if config.deterministic else ""))

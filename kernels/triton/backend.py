@@ -11,17 +11,20 @@ import torch
 
 from kernels.attention import PagedAttentionMetadata
 from kernels.triton import ops
+from kernels.triton.linear import linear_batch_invariant
 
 
 class TritonLayerOps:
     """The layers' elementwise ops as Triton kernels, shaped like ``kernels.cpu.layer_ops.CpuLayerOps``
-    (``linear`` is ``F.linear``: cuBLAS is already the fast path on a GPU)."""
+    (``linear`` is ``F.linear``: cuBLAS is already the fast path on a GPU; ``linear_fixed_order`` the
+    batch-invariant product of ``deterministic``)."""
 
     rms_norm = staticmethod(ops.rms_norm)
     fused_add_rms_norm = staticmethod(ops.fused_add_rms_norm)
     silu_and_mul = staticmethod(ops.silu_and_mul)
     rotary_neox_ = staticmethod(ops.rotary_neox_)
     linear = staticmethod(torch.nn.functional.linear)
+    linear_fixed_order = staticmethod(linear_batch_invariant)
 
 
 class _Launch:
@@ -38,8 +41,16 @@ class _Launch:
 
 
 class TritonAttentionBackend:
+    """Under ``meta.deterministic`` (``deterministic=True``) a query row's result does not depend on
+    the batch: every launch takes the same tile of query rows (decodes and prefill chunks alike, so a
+    token is computed the same way in a chunk of any length), the keys are not split (one program
+    walks a row's key tiles in order; the key tiles past a row's position add exact zeros), and the
+    linear layers run ``kernels.triton.linear`` (fixed tiles, no split of the inner dimension)."""
+
     name = "triton"
     supports_cascade = False
+    supports_deterministic = True
+    deterministic_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     # on a CPU device Triton runs only under its interpreter (TRITON_INTERPRET=1, read at import)
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     # The layers' Triton ops (norms, SiLU-and-multiply, rotary) are ``fused_ops``; ``layer_ops`` stays
@@ -75,7 +86,7 @@ class TritonAttentionBackend:
     def plan(self, meta: PagedAttentionMetadata, num_heads: int, kv_heads: int) -> list[_Launch]:
         """The step's launches, built once per step (the layers share the metadata; the plan's copy of
         the lengths notices a metadata object refilled for another step)."""
-        key = (num_heads, kv_heads, meta.num_decodes, meta.query_lens, meta.context_lens)
+        key = (num_heads, kv_heads, meta.num_decodes, meta.query_lens, meta.context_lens, meta.deterministic)
         cached = self._plan_for
         if cached is not None and cached[0] is meta and cached[1] == key:
             return self._plan
@@ -86,13 +97,14 @@ class TritonAttentionBackend:
             if not len(seqs):
                 continue
             block_q = max(1, rows // group_p2)
-            if seqs.start == 0 and seqs.stop == nd:
+            if (seqs.start == 0 and seqs.stop == nd) or meta.deterministic:
                 block_q = max(1, 16 // group_p2)  # one token per decode: the smallest tile tl.dot takes
             num_tiles = sum(-(-meta.query_lens[s] // block_q) for s in seqs)
-            splits = self.num_splits(num_tiles, kv_heads, max(meta.context_lens[s] for s in seqs))
+            splits = 1 if meta.deterministic else self.num_splits(
+                num_tiles, kv_heads, max(meta.context_lens[s] for s in seqs))
             launches.append(_Launch(seqs, meta, block_q, splits))
         self._plan_for, self._plan = (meta, (num_heads, kv_heads, meta.num_decodes, list(meta.query_lens),
-                                             list(meta.context_lens))), launches
+                                             list(meta.context_lens), meta.deterministic)), launches
         return launches
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
@@ -107,6 +119,6 @@ class TritonAttentionBackend:
             ops.paged_attention_launch(
                 query, k_pool, v_pool, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 launch.tile_seq, launch.tile_q, launch.token_begin, launch.num_tokens, scale,
-                launch.block_q, self.block_n, launch.num_splits,
+                launch.block_q, self.block_n, launch.num_splits, use_dot=not (meta.deterministic and ops.INTERPRETED),
             )
         return out

@@ -45,6 +45,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,7 +95,10 @@ def _paged_attention_kernel(
                     + dims[None, :] * stride_kd, mask=kv_ok, other=0.0)
         v = tl.load(v_pool_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
                     + dims[None, :] * stride_vd, mask=kv_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        else:  # (see paged_attention_launch's use_dot)
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * sm_scale_log2
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :] & row_ok[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -102,7 +106,10 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], 1)
         m_i = m_new
 
     out_mask = row_ok[:, None] & dim_ok[None, :]
@@ -250,10 +257,13 @@ def paged_attention_launch(
     query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     tile_seq: torch.Tensor, tile_q: torch.Tensor, token_begin: int, num_tokens: int,
-    scale: float, block_q: int, block_n: int, num_splits: int,
+    scale: float, block_q: int, block_n: int, num_splits: int, use_dot: bool = True,
 ) -> None:
     """Attend the tiles (``tile_seq``, ``tile_q``) of one launch, writing ``out`` rows
-    [token_begin, token_begin + num_tokens); ``num_splits`` > 1 splits each tile's keys and merges."""
+    [token_begin, token_begin + num_tokens); ``num_splits`` > 1 splits each tile's keys and merges.
+    ``use_dot=False`` takes the products as multiplies and sums instead of ``tl.dot``: under the
+    interpreter ``tl.dot`` is numpy's BLAS, whose result for a query row depends on the row's place
+    in the tile, which batch-invariant attention (``deterministic``) cannot have."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_pool.shape[2]
     group = num_heads // kv_heads
@@ -277,7 +287,7 @@ def paged_attention_launch(
         block_tables.stride(0),
         num_heads,
         BLOCK_SIZE=k_pool.shape[1], HEAD_DIM=head_dim, HEAD_P2=head_p2, GROUP=group, GROUP_P2=_p2(group),
-        BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision, USE_DOT=use_dot,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

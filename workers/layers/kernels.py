@@ -89,12 +89,15 @@ def _relaid(weight: torch.Tensor, layer_ops, layout: str) -> torch.Tensor:
     return _transposed_layout(weight)
 
 
-def bind_layer_ops(model: nn.Module, ops) -> None:
+def bind_layer_ops(model: nn.Module, ops, deterministic: bool = False) -> None:
     """Route ``model``'s norms, gated activations and rotary through ``ops`` (e.g. the Triton
-    backend's ``fused_ops``), leaving the weights and the layer stack as they are."""
+    backend's ``fused_ops``), leaving the weights and the layer stack as they are;
+    ``deterministic``: every linear layer (the LM head included) runs ``ops.linear_fixed_order``."""
     for module in model.modules():
         if hasattr(module, "ops"):
             module.ops = ops
+        if deterministic and isinstance(module, (ReplicatedLinear, _ColumnShards, RowParallelLinear, ParallelLMHead)):
+            module.linear = ops.linear_fixed_order
 
 
 def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False) -> None:
