@@ -92,3 +92,36 @@ def test_layer_ops_on_cuda(dtype, tol):
     ops.rotary_neox_(pos, q, k, cache, 64)
     torch.testing.assert_close(q.reshape(7, 8, 64), want_q, atol=tol, rtol=tol)
     torch.testing.assert_close(k.reshape(7, 2, 64), want_k, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_batch_invariant_linear_on_cuda(dtype, tol):
+    """deterministic's linear, compiled (tl.dot): each row's bits whatever the rows beside it."""
+    from kernels.triton.linear import BLOCK_M, linear_batch_invariant
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(384, 256, generator=gen).to(dtype).cuda()
+    bias = torch.randn(384, generator=gen).to(dtype).cuda()
+    x = torch.randn(4 * BLOCK_M + 3, 256, generator=gen).to(dtype).cuda()
+    full = linear_batch_invariant(x, weight, bias)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), weight.float(), bias.float()),
+                               atol=tol * 16, rtol=tol)
+    for start, rows in ((0, 1), (5, 3), (BLOCK_M - 1, 2), (7, 2 * BLOCK_M + 1), (0, x.shape[0])):
+        assert torch.equal(linear_batch_invariant(x[start:start + rows], weight, bias), full[start:start + rows])
+
+
+def test_deterministic_engine_on_cuda(model_dirs):
+    """The engine under deterministic=True on the compiled Triton path: a prompt alone and among
+    others in 16-token chunks, cold and warm, the same tokens and logprob bits."""
+    from engine import LLM
+    from tests.kernels.triton.test_triton_deterministic import run_with_others
+    from tests.e2e.test_deterministic import random_prompt
+
+    target = random_prompt(random.Random(7), 24)
+    kwargs = dict(attention_backend="triton", deterministic=True, device="cuda", block_size=8, num_kv_blocks=128,
+                  max_model_len=128)
+    with LLM(model=model_dirs["llama"], enable_prefix_caching=False, max_num_batched_tokens=2048, **kwargs) as llm:
+        alone = run_with_others(llm, target, 0, 0)[0]
+    with LLM(model=model_dirs["llama"], max_num_batched_tokens=16, **kwargs) as llm:
+        assert run_with_others(llm, target, 3, seed=1)[0] == alone
+        assert run_with_others(llm, target, 8, seed=2)[0] == alone
