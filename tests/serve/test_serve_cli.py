@@ -47,15 +47,14 @@ def env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
 
 
-@pytest.mark.parametrize("tensor_parallel_size,source", [(1, "directory"), (2, "hub cache")])
-def test_serve_run_with_the_shipped_config(model_dirs, hf_cache, tmp_path, tensor_parallel_size, source):
+def test_serve_run_with_the_shipped_config(hf_cache, tmp_path):
     """`serve run` starts its own Ray with the CPUs this machine has (no logical CPUs added): at
-    tensor_parallel_size 2 on a two-core machine the ranks take a CPU each and the rest none. There the
+    tensor_parallel_size 2 on a two-core machine the ranks take a CPU each and the rest none. The
     model is a Hugging Face repo id, which the Ingress, the scheduler actor and every rank find in the
-    node's hub cache (offline)."""
-    model = model_dirs["llama"] if source == "directory" else hf_cache["repo_id"]
-    hub = {} if source == "directory" else {"HF_HUB_CACHE": hf_cache["cache"], "HF_HUB_OFFLINE": "1"}
-    path, base_url = config_for(model, tmp_path, tensor_parallel_size=tensor_parallel_size)
+    node's hub cache (offline). (`serve run` of a config with a model directory at
+    tensor_parallel_size 1 is started by tests/benchmarks/test_online_vllm.py.)"""
+    hub = {"HF_HUB_CACHE": hf_cache["cache"], "HF_HUB_OFFLINE": "1"}
+    path, base_url = config_for(hf_cache["repo_id"], tmp_path, tensor_parallel_size=2)
     proc = subprocess.Popen([SERVE, "run", str(path)], cwd=ROOT, env={**env(), "RAY_ADDRESS": "local", **hub},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
