@@ -1,7 +1,7 @@
 """``deterministic=True`` on the Triton path (here under the interpreter): a greedy request's tokens
 and logprobs are the same to the bit whatever shares its batch, whatever the chunk budget, with or
-without a prefix-cache hit. Interpreter-sized (the interpreter takes seconds a step): a 24-token
-target, 3 others at a 16-token budget, against the target alone with the whole prompt in one chunk."""
+without a prefix-cache hit. Interpreter-sized (the interpreter takes a fraction of a second a
+step): a 24-token target, 3 others at a 16-token budget."""
 
 from __future__ import annotations
 
@@ -45,21 +45,22 @@ def target():
     return random_prompt(random.Random(7), 24)
 
 
-@pytest.fixture(scope="module")
-def reference(model_dirs, target):
-    with engine(model_dirs["llama"], enable_prefix_caching=False, max_num_batched_tokens=2048) as llm:
-        return run_with_others(llm, target, 0, 0)[0]
-
-
-def test_same_bits_in_another_batch_budget_and_cache_state(reference, target, model_dirs):
+def test_same_bits_in_another_batch_chunking_and_cache_state(model_dirs, target):
+    """One engine, a 16-token budget: the target alone (chunks of 16 + 8), then beside 3 others
+    (its chunks cut where the others leave room), then beside 3 more with its first 2 blocks
+    cached (the third recomputed), and alone again with the cache emptied."""
     with engine(model_dirs["llama"], max_num_batched_tokens=16) as llm:
         runner = llm.core.executor.worker.runner
         assert runner.attention_backend.name == "triton"
         assert runner.model.lm_head.linear is runner.attention_backend.fused_ops.linear_fixed_order
-        cold, out = run_with_others(llm, target, 3, seed=1)  # the prompt in 16-token chunks beside others
-        assert out.num_cached_tokens == 0 and cold == reference
-        warm, out = run_with_others(llm, target, 3, seed=2)  # its first 2 blocks from the cache (the 3rd recomputed)
-        assert out.num_cached_tokens == 16 and warm == reference
+        alone, out = run_with_others(llm, target, 0, seed=0)
+        assert out.num_cached_tokens == 0
+        llm.reset_prefix_cache()
+        crowded, out = run_with_others(llm, target, 3, seed=1)
+        assert out.num_cached_tokens == 0 and crowded == alone
+        warm, out = run_with_others(llm, target, 3, seed=2)
+        assert out.num_cached_tokens == 16 and warm == alone
+        assert llm.stats()["num_blocks_in_use"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
