@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hmac
 import json
 import logging
-import math
-import time
 import uuid
 from pathlib import Path
 
 import ray
 from pydantic import ValidationError
-from fastapi.responses import JSONResponse
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.config import RequestRouterConfig
@@ -51,6 +47,7 @@ from api.openai_serving import OpenAIServing
 from cluster.app_args import ENGINE_KWARGS, AppArgs, _with_options, api_key_from_env, api_key_from_file
 from cluster.llm_server import (ENGINE_NAMESPACE, ENGINE_STOPPED, HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S,
                                 ROUTING_STATS_PERIOD_S, EngineUnavailableError, LLMServer, _cause)
+from cluster.engine_gate import NO_ENGINE, EngineGate, EngineWatch
 from cluster.reservations import cluster_cpus, plan_reservations
 from engine import EngineOverloadedError, SamplingParams, engine_config
 from engine.config import ModelConfig
@@ -58,9 +55,6 @@ from engine.messages import RequestOutput, merge_outputs
 from engine.sampling_params import RequestOutputKind
 from engine.tokenizer import Tokenizer
 from workers.model_source import localize_model
-
-RETRY_AFTER_S = 2  # the Retry-After of every 503
-NO_ENGINE = "no engine replica is serving yet (starting, restarting or waiting for resources); retry shortly"
 
 logger = logging.getLogger("ray.serve")
 
@@ -151,107 +145,6 @@ class ServeEngineClient:
         engine_name = self._engine_of.get(request_id)
         if engine_name is not None:
             ray.get_actor(engine_name, namespace=ENGINE_NAMESPACE).abort.remote(request_id)
-
-
-class EngineWatch:
-    """Whether an engine of this application serves: its scheduler actors (named
-    ``engine:<app>:<replica>``) are asked ``ready``, at most once a second. While an application that
-    keeps at least one replica (``min_engines`` > 0; autoscaling from zero has none to ask) has no
-    engine answering, the Ingress refuses requests with 503 instead of leaving them waiting for a
-    replica that is starting, being replaced, or cannot be placed. While none answers it asks
-    every ``DOWN_PERIOD_S``, so that a replica that comes back is used within that time."""
-
-    PERIOD_S = 1.0
-    DOWN_PERIOD_S = 0.2
-    PING_TIMEOUT_S = 1.0
-
-    def __init__(self, app_name: str, min_engines: int) -> None:
-        self.prefix = f"engine:{app_name}:"
-        self.min_engines = min_engines
-        self._num_up = 0
-        self._checked_at = -math.inf
-        self._lock: asyncio.Lock | None = None
-
-    def recheck(self) -> None:
-        """Ask again on the next call (an engine was seen to stop)."""
-        self._checked_at = -math.inf
-
-    async def available(self) -> bool:
-        if self.min_engines == 0:
-            return True
-        return await self.num_up() > 0
-
-    def _fresh(self) -> bool:
-        period = self.PERIOD_S if self._num_up else self.DOWN_PERIOD_S
-        return time.monotonic() - self._checked_at < period
-
-    async def num_up(self) -> int:
-        if self._fresh():
-            return self._num_up
-        self._lock = self._lock or asyncio.Lock()
-        async with self._lock:  # one lookup for every request that arrives meanwhile
-            if not self._fresh():
-                actors = await asyncio.get_running_loop().run_in_executor(None, self._actors)
-                answers = await asyncio.gather(*(self._ping(a) for a in actors))
-                self._num_up, self._checked_at = sum(answers), time.monotonic()
-        return self._num_up
-
-    def _actors(self) -> list:
-        actors = []
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry.get("namespace") == ENGINE_NAMESPACE and entry["name"].startswith(self.prefix):
-                try:
-                    actors.append(ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE))
-                except ValueError:  # gone between the listing and the lookup
-                    pass
-        return actors
-
-    async def _ping(self, actor) -> bool:
-        try:
-            await asyncio.wait_for(actor.ready.remote(), timeout=self.PING_TIMEOUT_S)
-            return True
-        except Exception:  # noqa: BLE001 - dead, still starting, or not answering
-            return False
-
-
-class EngineGate:
-    """ASGI middleware of the Ingress's HTTP app: /health, /v1/models and the generating routes
-    answer 503, with an OpenAI error body, while no engine serves (a key still guards all but /health:
-    a bad one gets the app's 401). A refused completion is answered here, before its body is read and
-    parsed: while a replica is replaced, clients retrying would otherwise spend the CPU the new
-    replica needs to start. Every 503 the app sends (queue full, no engine, an engine restarting)
-    carries Retry-After."""
-
-    GATED = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
-
-    def __init__(self, app, available, api_key: str | None) -> None:
-        self.app, self.available, self.api_key = app, available, api_key
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if scope["path"] in self.GATED and self._authorized(scope) and not await self.available():
-            body = EngineUnavailableError(NO_ENGINE).body()
-            response = JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-            await response(scope, receive, send)
-            return
-
-        async def send_with_retry_after(message) -> None:
-            if message["type"] == "http.response.start" and message["status"] == 503:
-                headers = list(message.get("headers", []))
-                if not any(name.lower() == b"retry-after" for name, _ in headers):
-                    headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, send_with_retry_after)
-
-    def _authorized(self, scope) -> bool:
-        if self.api_key is None or scope["path"] == "/health":
-            return True
-        given = dict(scope.get("headers", [])).get(b"authorization", b"")
-        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
 
 
 class Ingress:

@@ -1,4 +1,5 @@
-"""`kvserve chaos` and `kvserve soak`: the Serve app under faults, and under a long steady load.
+"""`kvserve chaos`: the Serve app under faults (and what `kvserve soak`, benchmarks/soak.py, shares
+with it: the app's start and stop, the load, the report).
 
 Both start the app the way `serve run` does on this machine: a local Ray cluster with the CPUs Ray
 finds here (no logical CPUs added), Serve's HTTP proxy on a free port, `serve_app.build_app`. A load
@@ -15,10 +16,6 @@ and reports for each: the requests in flight at the fault that did not complete 
 sent after it that were refused (their statuses and error codes), those that got no answer within
 the client timeout (hung), and the seconds from the fault until a request sent after it completed
 (recovery).
-
-soak: the load for N minutes, then: the RSS of every process of the cluster after a warm-up and at
-the end (growth per process), the errors, and the KV blocks the engine holds once the load stopped
-(the scheduler actor's stats()).
 """
 
 from __future__ import annotations
@@ -79,14 +76,6 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settle", type=float, default=5.0, help="seconds of steady load before each fault")
     parser.add_argument("--recovery-timeout", type=float, default=120.0,
                         help="seconds to wait for a completion after a fault before giving up on it")
-
-
-def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser)
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--warmup", type=float, default=None,
-                        help="seconds of load before the RSS baseline (default: 10%% of the run, at most 60)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
 
 
 # --- the app -------------------------------------------------------------------------------------
@@ -327,125 +316,6 @@ def _settled_stats(timeout_s: float = 30.0) -> dict:
 def run_chaos_command(args: argparse.Namespace) -> int:
     report = run_chaos(args.model, args.faults, args.tensor_parallel_size, args.concurrency, args.max_tokens,
                        args.timeout, args.settle, args.recovery_timeout, **app_args(args.app_arg))
-    _write(report, args.out)
-    return 0
-
-
-# --- soak ----------------------------------------------------------------------------------------
-
-
-def _processes(root: int) -> dict[int, str]:
-    """pid -> name of every live process under ``root`` (Linux /proc): Ray's GCS, raylet, and the
-    workers it starts (Serve's controller and proxy, the replicas, the scheduler actor, the ranks)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = {}, list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found[pid] = _name(pid)
-        todo.extend(children.get(pid, []))
-    return {pid: name for pid, name in found.items() if name}
-
-
-def _name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return ""
-    first = argv[0].decode(errors="replace").strip()
-    if first.startswith("ray::"):  # a worker: its title names the actor (and the method it runs)
-        return first.split(" ")[0].split(".")[0]
-    script = next((a.decode(errors="replace") for a in argv[1:] if a.endswith(b".py")), None)
-    return os.path.basename(first) + (f" {os.path.basename(script)}" if script else "")
-
-
-def _rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def rss_snapshot() -> dict[int, tuple[str, float]]:
-    snapshot = {}
-    for pid, name in _processes(os.getpid()).items():
-        rss = _rss_mb(pid)
-        if rss is not None:
-            snapshot[pid] = (name, rss)
-    return snapshot
-
-
-async def _soak(url: str, seconds: float, warmup: float, concurrency: int, max_tokens: int,
-                timeout: float) -> tuple[Load, dict, dict]:
-    load = Load(url, concurrency, max_tokens, timeout)
-    load.start()
-    try:
-        await asyncio.sleep(warmup)
-        baseline = rss_snapshot()
-        await asyncio.sleep(seconds)
-        end = rss_snapshot()
-    finally:
-        await load.stop()
-    return load, baseline, end
-
-
-def run_soak(model: str | None = None, minutes: float = 10.0, warmup: float | None = None, concurrency: int = 4,
-             max_tokens: int = 16, timeout: float = 60.0, tensor_parallel_size: int = 1, **app_args) -> dict:
-    seconds = minutes * 60
-    warmup = min(60.0, 0.1 * seconds) if warmup is None else warmup
-    url = start_app(model, tensor_parallel_size, **app_args)
-    try:
-        print(f"[soak] {warmup:.0f}s of warm-up, then {seconds:.0f}s of load at concurrency {concurrency}", flush=True)
-        load, baseline, end = asyncio.run(_soak(url, seconds, warmup, concurrency, max_tokens, timeout))
-        stats = _settled_stats()
-    finally:
-        stop_app()
-    processes = []
-    for pid, (name, rss) in sorted(baseline.items()):
-        if pid in end:
-            processes.append({"pid": pid, "name": name, "rss_start_mb": round(rss, 1),
-                              "rss_end_mb": round(end[pid][1], 1), "growth_mb": round(end[pid][1] - rss, 1)})
-    measured = [r for r in load.records if r.start >= load.records[0].start + warmup] if load.records else []
-    report = {
-        "minutes": minutes, "warmup_s": warmup, "concurrency": concurrency, "max_tokens": max_tokens,
-        "tensor_parallel_size": tensor_parallel_size,
-        "requests": len(load.records), "requests_ok": sum(r.ok for r in load.records),
-        "errors": sum(not r.ok for r in load.records), "outcomes": _outcomes(load.records),
-        "requests_per_s": round(len(measured) / seconds, 2) if seconds else None,
-        "processes": processes,
-        "max_growth_mb": max((p["growth_mb"] for p in processes), default=None),
-        "total_growth_mb": round(sum(p["growth_mb"] for p in processes), 1),
-        "processes_started_meanwhile": sorted({n for pid, (n, _) in end.items() if pid not in baseline}),
-        "processes_gone_meanwhile": sorted({n for pid, (n, _) in baseline.items() if pid not in end}),
-        "num_blocks_in_use_at_end": stats["num_blocks_in_use"],
-        "num_cached_blocks_at_end": stats["num_cached_blocks"],
-        "num_requests_running_at_end": stats["num_requests_running"],
-        "num_kv_blocks": stats["num_kv_blocks"],
-    }
-    for p in processes:
-        print(f"[soak] {p['name']:<48} pid {p['pid']:>7}  {p['rss_start_mb']:8.1f} -> {p['rss_end_mb']:8.1f} MB "
-              f"({p['growth_mb']:+.1f})", flush=True)
-    print(f"[soak] {report['requests_ok']} of {report['requests']} requests ok, errors {report['outcomes']}; "
-          f"KV blocks in use at the end {report['num_blocks_in_use_at_end']}; largest RSS growth "
-          f"{report['max_growth_mb']} MB", flush=True)
-    return report
-
-
-def run_soak_command(args: argparse.Namespace) -> int:
-    report = run_soak(args.model, args.minutes, args.warmup, args.concurrency, args.max_tokens, args.timeout,
-                      args.tensor_parallel_size, **app_args(args.app_arg))
     _write(report, args.out)
     return 0
 

@@ -37,7 +37,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.chaos import add_chaos_arguments, add_soak_arguments, run_chaos_command, run_soak_command
+    from benchmarks.chaos import add_chaos_arguments, run_chaos_command
     from benchmarks.cli import add_bench_arguments, run_bench
     from benchmarks.fuzz import add_fuzz_arguments, run_fuzz
     from benchmarks.gpu_bench import add_bench_gpu_arguments, run_bench_gpu
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.online_vllm import add_bench_online_vllm_arguments, run_bench_online_vllm
     from benchmarks.profile_step import add_profile_step_arguments, run_profile_step
     from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
+    from benchmarks.soak import add_soak_arguments, run_soak_command
     from benchmarks.structured import add_bench_structured_arguments, run_bench_structured
     from benchmarks.tensor_parallel import add_bench_tp_arguments, run_bench_tp
     from workers.model_builder import add_make_model_arguments, run_make_model

@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from serve_app import NO_ENGINE, RETRY_AFTER_S, EngineGate, EngineWatch
+from cluster.engine_gate import NO_ENGINE, RETRY_AFTER_S, EngineGate, EngineWatch
 
 
 class CountingWatch(EngineWatch):
