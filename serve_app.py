@@ -27,6 +27,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import os
 import uuid
 from pathlib import Path
 
@@ -324,9 +325,13 @@ def build_app(args: AppArgs | dict | None = None):
             "min_replicas": low, "max_replicas": high,
             "target_ongoing_requests": args.target_ongoing_requests,
             "upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s,
-            # the window the autoscaler averages load over; Serve wants it above its metrics interval (10 s)
-            "look_back_period_s": 12.0,
+            # the window the autoscaler averages load over: keep it above Serve's metrics push interval
+            # (10 s by default, RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S)
+            "look_back_period_s": args.look_back_period_s,
         }
+        push = os.environ.get("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S")
+        if push and args.look_back_period_s <= 10.0:  # Serve checks the window against this (deprecated) field
+            options["autoscaling_config"]["metrics_interval_s"] = float(push)
     else:
         options["num_replicas"] = args.num_replicas or 1
     if args.router == "prefix":

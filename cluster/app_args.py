@@ -127,6 +127,7 @@ class AppArgs(BaseModel):
     target_ongoing_requests: float = 16.0
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 120.0
+    look_back_period_s: float = Field(12.0, gt=0)  # the window Serve averages the load over
     router: Literal["prefix", "pow2"] = "prefix"
     router_imbalance: int = 8  # queue-length gap beyond which the router prefers the least loaded replica
     api_key: str | None = None

@@ -162,6 +162,17 @@ def test_ray_serve_llm_shapes_engine_kwargs_and_deployment_configs(model_dirs, m
     assert (config.autoscaling_config.min_replicas, config.autoscaling_config.max_replicas) == (1, 2)
     assert config.graceful_shutdown_timeout_s == 45 and llm_server.max_ongoing_requests == 40
     assert llm_server.init_args[0].scheduler.max_num_seqs == 8  # the engine config the replica builds
+    flat = build_app({"model": model_dirs["llama"], "min_replicas": 1, "max_replicas": 2, "look_back_period_s": 15,
+                      "upscale_delay_s": 1, "downscale_delay_s": 5})._bound_deployment.init_args[0]._bound_deployment
+    auto = flat._deployment_config.autoscaling_config
+    assert (auto.look_back_period_s, auto.upscale_delay_s, auto.downscale_delay_s) == (15.0, 1.0, 5.0)
+    with pytest.raises(ValidationError, match="look_back_period_s"):
+        AppArgs.model_validate({"look_back_period_s": 0})
+    with monkeypatch.context() as env:
+        env.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+        short = build_app({"model": model_dirs["llama"], "min_replicas": 1, "max_replicas": 2, "look_back_period_s": 3})
+    auto = short._bound_deployment.init_args[0]._bound_deployment._deployment_config.autoscaling_config
+    assert (auto.look_back_period_s, auto.metrics_interval_s) == (3.0, 1.0)  # checked against the real interval
     fixed = build_app({"model": model_dirs["llama"], "min_replicas": 1, "max_replicas": 4,
                        "deployment_config": {"num_replicas": 2}})._bound_deployment.init_args[0]._bound_deployment
     assert fixed.num_replicas == 2 and fixed._deployment_config.autoscaling_config is None

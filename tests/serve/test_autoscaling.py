@@ -18,12 +18,13 @@ APP = "autoscale"
 def cluster():
     # replicas and handles report their load every second (Serve's default is slower); the
     # processes Ray starts inherit this environment
+    # (and build_app, which tells Serve the interval its window is checked against)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
         env.setenv("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
         base_url, _ = start_serve(num_cpus=8)
-    yield base_url
-    stop_serve()
+        yield base_url
+        stop_serve()
 
 
 def running_replicas() -> int:
@@ -39,7 +40,7 @@ def test_scales_up_under_load_and_back_down(cluster, model_dirs):
     from serve_app import build_app
 
     args = {"model": model_dirs["llama"], "served_model_name": "tiny", "min_replicas": 1, "max_replicas": 2,
-            "target_ongoing_requests": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0,
+            "target_ongoing_requests": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0, "look_back_period_s": 3.0,
             "num_kv_blocks": 512, "max_num_seqs": 16}
     serve.run(build_app(args), name=APP, route_prefix="/")
     assert running_replicas() == 1
