@@ -189,6 +189,12 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.deterministic and self.attention_backend == "torch":
             raise ValueError("deterministic=True needs attention_backend 'cpu', 'triton' or 'auto', not 'torch'")
+        if self.deterministic and self.parallel.tensor_parallel_size > 2:
+            # two ranks' partial sums add alike in either order; more are summed in an order the
+            # collective picks from the message size, which the batch sets
+            raise ValueError(f"deterministic=True runs at tensor_parallel_size 1 or 2, not "
+                             f"{self.parallel.tensor_parallel_size}: the all-reduce of more ranks sums in an order "
+                             f"that depends on the batch")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         for name in ("max_n", "max_logprobs", "max_stop_sequences", "max_stop_token_ids"):

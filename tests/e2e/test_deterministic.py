@@ -107,6 +107,11 @@ def test_refused_with_the_torch_backend(model_dirs):
         LLM(model=model_dirs["llama"], attention_backend="torch", deterministic=True)
 
 
+def test_refused_above_two_ranks(model_dirs):
+    with pytest.raises(ValueError, match="deterministic=True runs at tensor_parallel_size 1 or 2, not 4"):
+        LLM(model=model_dirs["llama"], tensor_parallel_size=4, deterministic=True)
+
+
 def test_refused_for_half_precision(model_dirs):
     with pytest.raises(ValueError, match="deterministic=True with the cpu backend runs float32 models only, not bfloat16"):
         LLM(model=model_dirs["llama"], attention_backend="cpu", dtype="bfloat16", deterministic=True)
