@@ -21,26 +21,27 @@ def target_prompt() -> list[int]:
     return random_prompt(random.Random(7), 150)
 
 
-def fingerprint(output) -> tuple:
+def fingerprint(output, target: SamplingParams = TARGET) -> tuple:
     """The target's tokens and every logprob it reported, as exact floats."""
     sample = output.outputs[0]
-    assert len(sample.token_ids) == TARGET.max_tokens
+    assert len(sample.token_ids) == target.max_tokens
     return tuple(sample.token_ids), tuple(tuple(sorted((t, lp.logprob if hasattr(lp, "logprob") else lp)
                                                         for t, lp in step.items())) for step in sample.logprobs)
 
 
-def run_with_others(llm: LLM, prompt: list[int], num_others: int, seed: int):
+def run_with_others(llm: LLM, prompt: list[int], num_others: int, seed: int, target: SamplingParams = TARGET,
+                    max_other_len: int = 300, max_other_tokens: int = 40):
     """The target among ``num_others`` random requests (random lengths, some sampled, finishing at
     different steps), at a random place in the submission order -> (fingerprint, target output)."""
     rng = random.Random(seed)
-    prompts = [random_prompt(rng, rng.randint(1, 300)) for _ in range(num_others)]
-    params = [SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 40), ignore_eos=True,
-                             seed=rng.randrange(1000)) for _ in range(num_others)]
+    prompts = [random_prompt(rng, rng.randint(1, max_other_len)) for _ in range(num_others)]
+    params = [SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, max_other_tokens),
+                             ignore_eos=True, seed=rng.randrange(1000)) for _ in range(num_others)]
     place = rng.randint(0, num_others)
     prompts.insert(place, prompt)
-    params.insert(place, TARGET)
+    params.insert(place, target)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return fingerprint(outs[place]), outs[place]
+    return fingerprint(outs[place], target), outs[place]
 
 
 def engine(model_dir: str, deterministic: bool = True, **kwargs) -> LLM:

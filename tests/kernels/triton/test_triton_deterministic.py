@@ -11,28 +11,15 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.e2e import test_deterministic as e2e
 from tests.e2e.test_deterministic import random_prompt
 
 TARGET = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
 
 
 def run_with_others(llm: LLM, prompt: list[int], num_others: int, seed: int):
-    rng = random.Random(seed)
-    prompts = [random_prompt(rng, rng.randint(1, 40)) for _ in range(num_others)]
-    params = [SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 5), ignore_eos=True,
-                             seed=rng.randrange(1000)) for _ in range(num_others)]
-    place = rng.randint(0, num_others)
-    prompts.insert(place, prompt)
-    params.insert(place, TARGET)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    sample = outs[place].outputs[0]
-    assert len(sample.token_ids) == TARGET.max_tokens
-    return fingerprint_of(sample), outs[place]
-
-
-def fingerprint_of(sample) -> tuple:
-    return tuple(sample.token_ids), tuple(tuple(sorted(step.items()))
-                                          for step in sample.logprobs)
+    """tests/e2e/test_deterministic.py's, interpreter-sized: others of 1-40 tokens, 1-5 new each."""
+    return e2e.run_with_others(llm, prompt, num_others, seed, TARGET, max_other_len=40, max_other_tokens=5)
 
 
 def engine(model_dir: str, deterministic: bool = True, **kwargs) -> LLM:
