@@ -144,6 +144,26 @@ class ModelRunner:
         if self.sampler is not None:
             self._profile_sampler(logits)
 
+    @torch.inference_mode()
+    def profile_decode(self) -> None:
+        """A full decode batch at ``max_model_len``: ``max_num_seqs`` decodes, each over a whole
+        ``max_model_len`` context, then the sampler over them. Every sequence reads the same blocks of
+        a throwaway pool of one sequence's size, so what is measured is the step's transients (the
+        torch backend's decode gather, bounded by its slices; the split-KV partials), not the KV."""
+        num_seqs = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
+        context = self.config.max_model_len
+        num_blocks = -(-context // self.block_size)
+        kv_caches = allocate_kv_pool(self.kv_spec, num_blocks + 1, self.device)
+        table = list(range(1, num_blocks + 1))
+        meta = PagedAttentionMetadata.build([1] * num_seqs, [context] * num_seqs, [table] * num_seqs,
+                                            self.block_size, self.device, self.attention_backend)
+        positions = torch.full((num_seqs,), context - 1, dtype=torch.long, device=self.device)
+        hidden = self.model(torch.zeros_like(positions), positions, kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        del kv_caches, hidden
+        if self.sampler is not None:
+            self._profile_sampler(logits)
+
     def _profile_sampler(self, logits: torch.Tensor) -> None:
         """The sampler's costliest path over a full batch of rows (penalties, top-k / top-p / min-p, the
         most logprobs, a seed each): its temporaries are part of the step's peak."""

@@ -90,16 +90,24 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.runner.profile_run()
+            self.runner.profile_decode()
             torch.cuda.synchronize(self.device)
             free_at_start, total = self._memory_at_start
             used_by_others = total - free_at_start
             peak = torch.cuda.max_memory_allocated(self.device)
-            budget = int(total * cache.gpu_memory_utilization) - used_by_others - peak
+            # memory this process holds that torch's allocator did not hand out: NCCL's buffers, the
+            # CUDA libraries' workspaces (measured after the profile, which created them)
+            free_now, _ = torch.cuda.mem_get_info(self.device)
+            outside_torch = max(0, total - free_now - used_by_others - torch.cuda.memory_reserved(self.device))
+            budget = int(total * cache.gpu_memory_utilization) - used_by_others - peak - outside_torch
+            self.memory_profile = {"used_by_others": used_by_others, "peak": peak, "outside_torch": outside_torch,
+                                   "kv_budget": budget}
             if budget < 2 * spec.bytes_per_block:
                 raise ValueError(
                     f"no memory left for the KV cache: {total / 2**30:.1f} GiB x gpu_memory_utilization "
                     f"{cache.gpu_memory_utilization} minus {used_by_others / 2**30:.1f} GiB used elsewhere "
-                    f"minus a peak of {peak / 2**30:.1f} GiB for weights and activations"
+                    f"minus a peak of {peak / 2**30:.1f} GiB for weights and activations minus "
+                    f"{outside_torch / 2**30:.1f} GiB outside torch's allocator"
                 )
             return spec.num_blocks_for(budget)
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
