@@ -73,10 +73,16 @@ class ModelRunner:
         batch = self.batch.prepare(scheduler_output)
         batch.attn_meta.deterministic = self.config.deterministic
         forward_start = time.perf_counter()
+        # on CUDA the forward is timed by events, so that the step's one synchronisation is the
+        # sampler reading the sampled ids (or, in a step that samples nothing, the end event)
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sample_rows else None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if events is not None:
+            events[1].record()
         forward_time = time.perf_counter() - forward_start
         if not self.tp.is_first_rank:
             return None
@@ -90,6 +96,9 @@ class ModelRunner:
             token_ids, row_logprobs = self.sampler(logits, rows, grammar)
             for i, token_id, lp in zip(batch.sample_rows, token_ids, row_logprobs):
                 sampled[i], logprobs[i] = [token_id], lp
+        if events is not None:
+            events[1].synchronize()
+            forward_time = events[0].elapsed_time(events[1]) / 1000
         return ModelRunnerOutput(batch.req_ids, sampled, logprobs, forward_time, time.perf_counter() - start)
 
     @staticmethod

@@ -55,3 +55,22 @@ def test_gpu_memory_utilization_sizes_the_pool(model_dirs):
         stats = llm.stats()
     pool = stats["kv_pool_bytes_per_rank"]
     assert 0.1 * total < pool <= 0.2 * total, (pool, total)
+
+
+def test_a_step_does_not_synchronise_the_device_and_times_its_forward_by_events(model_dirs, monkeypatch):
+    with LLM(model=model_dirs["llama"], device="cuda", gpu_memory_utilization=0.2) as llm:
+        profile = llm.core.executor.worker.memory_profile
+        assert profile["peak"] > 0 and profile["outside_torch"] >= 0 and profile["kv_budget"] > 0
+        runner = llm.core.executor.worker.runner
+        outputs = []
+        execute = runner.execute_model
+        runner.execute_model = lambda so: (outputs.append(execute(so)), outputs[-1])[1]
+
+        def no_sync(*args, **kwargs):
+            raise AssertionError("a step called torch.cuda.synchronize")
+
+        monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+        out = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}],
+                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+    assert len(outputs) == 6 and all(0 < o.forward_time_s <= o.execute_time_s for o in outputs)
