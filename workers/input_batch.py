@@ -18,6 +18,7 @@ from engine.messages import SchedulerOutput
 from engine.sampling_params import SamplingParams
 from kernels import AttentionBackend, CascadeGroups, PagedAttentionMetadata
 from workers.cascade import plan_cascade
+from workers.staging import Staging
 
 
 @dataclass
@@ -68,7 +69,7 @@ class BlockTable:
 
 class InputBatch:
     def __init__(self, block_size: int, max_model_len: int, device: torch.device, backend: AttentionBackend,
-                 cascade: bool) -> None:
+                 cascade: bool, staged: bool = False) -> None:
         self.block_size = block_size
         self.device = device
         self.backend = backend
@@ -76,6 +77,8 @@ class InputBatch:
         self.requests: dict[str, RequestState] = {}
         self.blocks = BlockTable(-(-max_model_len // block_size))
         self.num_cascade_steps = 0  # steps that attended shared-prefix groups
+        # off a CPU device, a step's arrays go over in one pinned copy per dtype (``workers.staging``)
+        self.staging = Staging(device) if device.type != "cpu" or staged else None
 
     def update(self, so: SchedulerOutput) -> None:
         """Apply the scheduler's diffs: drop finished/preempted requests, add new ones, extend the rest."""
@@ -134,31 +137,33 @@ class InputBatch:
         token_seq = np.repeat(np.arange(num_seqs), q_lens)
         slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
 
-        to_device = (lambda a: torch.from_numpy(a)) if self.device.type == "cpu" else \
-            (lambda a: torch.from_numpy(a).to(self.device, non_blocking=True))
-        cascade = None
-        if self.cascade:
-            plan = plan_cascade(table, first, bs)
-            if plan is not None:
-                self.num_cascade_steps += 1
-                cascade = CascadeGroups(to_device(plan.kv_starts), to_device(plan.block_tables),
-                                        to_device(plan.lens), to_device(plan.member_start), to_device(plan.members))
+        plan = plan_cascade(table, first, bs) if self.cascade else None
+        arrays = [np.array(input_ids, dtype=np.int64), positions, slots, query_start.astype(np.int32),
+                  seq_lens.astype(np.int32), table, np.array(logits_indices, dtype=np.int64)]
+        if plan is not None:
+            self.num_cascade_steps += 1
+            arrays += [plan.kv_starts, plan.block_tables, plan.lens, plan.member_start, plan.members]
+        if self.staging is None:
+            tensors = [torch.from_numpy(a) for a in arrays]  # CPU: the arrays themselves
+        else:
+            tensors = self.staging.upload(arrays)
+        ids, positions_t, slots_t, query_start_t, seq_lens_t, table_t, logits_t = tensors[:7]
         meta = PagedAttentionMetadata(
-            slot_mapping=to_device(slots),
-            query_start_loc=to_device(query_start.astype(np.int32)),
-            seq_lens=to_device(seq_lens.astype(np.int32)),
-            block_tables=to_device(table),
+            slot_mapping=slots_t,
+            query_start_loc=query_start_t,
+            seq_lens=seq_lens_t,
+            block_tables=table_t,
             query_lens=query_lens,
             context_lens=seq_lens.tolist(),
             num_decodes=num_decodes,
-            cascade=cascade,
+            cascade=CascadeGroups(*tensors[7:]) if plan is not None else None,
             backend=self.backend,
         )
         return StepBatch(
-            input_ids=to_device(np.array(input_ids, dtype=np.int64)),
-            positions=to_device(positions),
+            input_ids=ids,
+            positions=positions_t,
             attn_meta=meta,
             req_ids=[s.req_id for s in ordered],
-            logits_indices=to_device(np.array(logits_indices, dtype=np.int64)),
+            logits_indices=logits_t,
             sample_rows=sample_rows,
         )
