@@ -149,8 +149,8 @@ def run_bench_host_tier(args: argparse.Namespace) -> int:
 
     model = str(resolve_model(args.model))
     report = bench_host_tier(model, num_users=args.users, num_turns=args.turns, output_len=args.output_len,
-                             block_size=args.block_size, pool_share=args.pool_share, configs=args.configs, repeat=args.repeat,
-                             attention_backend=args.attention_backend)
+                             block_size=args.block_size, pool_share=args.pool_share, configs=args.configs,
+                             repeat=args.repeat, attention_backend=args.attention_backend)
     print(format_host_tier_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -69,7 +69,7 @@ class BlockTable:
 
 class InputBatch:
     def __init__(self, block_size: int, max_model_len: int, device: torch.device, backend: AttentionBackend,
-                 cascade: bool, staged: bool = False) -> None:
+                 cascade: bool) -> None:
         self.block_size = block_size
         self.device = device
         self.backend = backend
@@ -78,7 +78,7 @@ class InputBatch:
         self.blocks = BlockTable(-(-max_model_len // block_size))
         self.num_cascade_steps = 0  # steps that attended shared-prefix groups
         # off a CPU device, a step's arrays go over in one pinned copy per dtype (``workers.staging``)
-        self.staging = Staging(device) if device.type != "cpu" or staged else None
+        self.staging = Staging(device) if device.type != "cpu" else None
 
     def update(self, so: SchedulerOutput) -> None:
         """Apply the scheduler's diffs: drop finished/preempted requests, add new ones, extend the rest."""

@@ -126,14 +126,9 @@ class ModelRunner:
         rank's start on the 2-core VM, and what a larger one would add (more activation memory to
         touch) costs the first such step milliseconds."""
         self.profile_run(WARM_UP_PREFILL_TOKENS)
-        num_seqs = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
-        kv_caches = allocate_kv_pool(self.kv_spec, num_seqs + 1, self.device)
-        positions = torch.zeros(num_seqs, dtype=torch.long, device=self.device)
-        meta = PagedAttentionMetadata.build([1] * num_seqs, [1] * num_seqs, [[b] for b in range(1, num_seqs + 1)],
-                                            self.block_size, self.device, self.attention_backend)
-        hidden = self.model(positions, positions, kv_caches, meta)
-        self.model.compute_logits(hidden)
-        del kv_caches, hidden
+        num_seqs = self._max_decodes()
+        self._throwaway_forward([1] * num_seqs, [1] * num_seqs, [[b] for b in range(1, num_seqs + 1)],
+                                torch.zeros(num_seqs, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def profile_run(self, max_tokens: int | None = None) -> None:
@@ -141,15 +136,10 @@ class ModelRunner:
         throwaway pool, so the peak activation memory is known before the KV pool takes the rest."""
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.max_model_len,
                          max_tokens or self.config.max_model_len)
-        num_blocks = -(-num_tokens // self.block_size) + 1
-        kv_caches = allocate_kv_pool(self.kv_spec, num_blocks, self.device)
-        positions = torch.arange(num_tokens, device=self.device)
-        meta = PagedAttentionMetadata.build([num_tokens], [num_tokens], [list(range(1, num_blocks))],
-                                            self.block_size, self.device, self.attention_backend)
-        hidden = self.model(torch.zeros_like(positions), positions, kv_caches, meta)
+        num_blocks = -(-num_tokens // self.block_size)
         num_rows = min(self.config.scheduler.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[-num_rows:])
-        del kv_caches, hidden
+        logits = self._throwaway_forward([num_tokens], [num_tokens], [list(range(1, num_blocks + 1))],
+                                         torch.arange(num_tokens, device=self.device), num_rows)
         if self.sampler is not None:
             self._profile_sampler(logits)
 
@@ -159,19 +149,29 @@ class ModelRunner:
         ``max_model_len`` context, then the sampler over them. Every sequence reads the same blocks of
         a throwaway pool of one sequence's size, so what is measured is the step's transients (the
         torch backend's decode gather, bounded by its slices; the split-KV partials), not the KV."""
-        num_seqs = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
-        context = self.config.max_model_len
-        num_blocks = -(-context // self.block_size)
-        kv_caches = allocate_kv_pool(self.kv_spec, num_blocks + 1, self.device)
-        table = list(range(1, num_blocks + 1))
-        meta = PagedAttentionMetadata.build([1] * num_seqs, [context] * num_seqs, [table] * num_seqs,
-                                            self.block_size, self.device, self.attention_backend)
-        positions = torch.full((num_seqs,), context - 1, dtype=torch.long, device=self.device)
-        hidden = self.model(torch.zeros_like(positions), positions, kv_caches, meta)
-        logits = self.model.compute_logits(hidden)
-        del kv_caches, hidden
+        num_seqs, context = self._max_decodes(), self.config.max_model_len
+        table = list(range(1, -(-context // self.block_size) + 1))
+        logits = self._throwaway_forward([1] * num_seqs, [context] * num_seqs, [table] * num_seqs,
+                                         torch.full((num_seqs,), context - 1, dtype=torch.long, device=self.device))
         if self.sampler is not None:
             self._profile_sampler(logits)
+
+    def _max_decodes(self) -> int:
+        """The most decodes one step can hold."""
+        return min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
+
+    def _throwaway_forward(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+                           positions: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+        """The model over token id 0 at ``positions`` against a pool of just the blocks ``tables``
+        name (freed after), and the logits of the last ``num_rows`` tokens (all by default)."""
+        num_blocks = max(b for table in tables for b in table) + 1
+        kv_caches = allocate_kv_pool(self.kv_spec, num_blocks, self.device)
+        meta = PagedAttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device,
+                                            self.attention_backend)
+        hidden = self.model(torch.zeros_like(positions), positions, kv_caches, meta)
+        logits = self.model.compute_logits(hidden[-(num_rows or len(positions)):])
+        del kv_caches, hidden
+        return logits
 
     def _profile_sampler(self, logits: torch.Tensor) -> None:
         """The sampler's costliest path over a full batch of rows (penalties, top-k / top-p / min-p, the

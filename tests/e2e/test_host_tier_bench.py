@@ -1,6 +1,6 @@
 """`kvserve bench-host-tier` at smoke size on the tiny checkpoint: the command runs the three
-configurations (two rounds, taking turns), writes its JSON, and the figures hang together (same tokens, the tier recovering the
-unlimited pool's hits, the pool sizes planned from the workload)."""
+configurations (two rounds, taking turns), writes its JSON, and the figures hang together (same
+tokens, the tier recovering the unlimited pool's hits, the pool sizes planned from the workload)."""
 
 from __future__ import annotations
 

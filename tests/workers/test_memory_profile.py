@@ -36,7 +36,8 @@ def test_profile_decode_runs_a_full_batch_at_max_model_len_in_bounded_slices(mod
         rows = []
         runner.model.forward = spy_forward
         monkeypatch.setattr(torch_attention, "decode_slices", spy_slices)
-        runner.sampler = lambda logits, rs, *a: (rows.append((tuple(logits.shape), len(rs))), sampler(logits, rs, *a))[1]
+        runner.sampler = lambda logits, rs, *a: (rows.append((tuple(logits.shape), len(rs))),
+                                                 sampler(logits, rs, *a))[1]
         runner.profile_decode()
         runner.model.forward, runner.sampler = forward, sampler
         ((num_decodes, contexts, positions, pool_blocks),) = seen
