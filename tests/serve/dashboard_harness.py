@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 import pytest
 
@@ -66,13 +67,26 @@ async def engine_paused(llm):
 
 
 @contextlib.asynccontextmanager
-async def requests_in_flight(llm, prompts: list[list[int]], max_tokens: int):
-    """Greedy requests running until the block exits (then aborted); entered once all run."""
+async def requests_in_flight(llm, prompts: list[list[int]], max_tokens: int, min_step_s: float = 0.004):
+    """Greedy requests running until the block exits (then aborted); entered once all run. While the
+    block runs, every step takes at least ``min_step_s`` (the executor's call is padded), so the
+    requests outlast a block of a second or two however fast the machine is."""
     async def consume(i: int, prompt: list[int]) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         async for _ in llm.generate(prompt, params, f"in-flight-{i}"):
             pass
 
+    executor = llm.core.executor
+    execute = executor.execute_model
+
+    def padded(scheduler_output):
+        start = time.monotonic()
+        try:
+            return execute(scheduler_output)
+        finally:
+            time.sleep(max(0.0, min_step_s - (time.monotonic() - start)))
+
+    executor.execute_model = padded
     tasks = [asyncio.ensure_future(consume(i, p)) for i, p in enumerate(prompts)]
     try:
         deadline = asyncio.get_running_loop().time() + 60
@@ -85,6 +99,7 @@ async def requests_in_flight(llm, prompts: list[list[int]], max_tokens: int):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        executor.execute_model = execute
 
 
 def metric(text: str, name: str) -> float:
