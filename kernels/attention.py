@@ -65,6 +65,9 @@ class PagedAttentionMetadata:
     # batch-invariant results (the engine's ``deterministic``): every row reduces in one fixed order,
     # so a token's output does not depend on the other rows of the step (backends that support it)
     deterministic: bool = False
+    # what the backend derives from this metadata once per step (the Triton backend's launch plan: its
+    # tiles on the device), kept with it: a CUDA graph captured over this metadata replays those tensors
+    backend_plan: object = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,8 +1,10 @@
 """A rank's view of the running requests and the flat batch of each step.
 
-Every request the scheduler has sent holds one row of a persistent int32 block table, written when
-its blocks arrive (diffs only) and released when it leaves, so a step copies its rows out of the
-table instead of building a table from Python lists. A step's batch is flat and ordered decodes
+Every request the scheduler has sent holds one row of a persistent int32 block table
+(``workers.block_table``), written when its blocks arrive (diffs only) and released when it leaves,
+so a step copies its rows out of the table instead of building a table from Python lists. Off CPU
+the table has a copy on the device, written by the same diffs: a step sends its new block ids and its
+row numbers, and its rows are gathered on the device. A step's batch is flat and ordered decodes
 first, then prefill chunks; slots come from the rows: position p of a request lives in slot
 ``table[row, p // block_size] * block_size + p % block_size``.
 """
@@ -17,6 +19,7 @@ import torch
 from engine.messages import SchedulerOutput
 from engine.sampling_params import SamplingParams
 from kernels import AttentionBackend, CascadeGroups, PagedAttentionMetadata
+from workers.block_table import BlockTable, DeviceBlockTable
 from workers.cascade import plan_cascade
 from workers.staging import Staging
 
@@ -44,32 +47,10 @@ class StepBatch:
     sample_rows: list[int]  # which requests (in req_ids order) sample
 
 
-class BlockTable:
-    """Rows of block ids, one per request; grows (doubling) when more requests are held at once."""
-
-    def __init__(self, max_blocks_per_request: int, rows: int = 64) -> None:
-        self.table = np.zeros((rows, max_blocks_per_request), dtype=np.int32)
-        self.free_rows = list(range(rows - 1, -1, -1))
-
-    def add(self, block_ids: list[int]) -> int:
-        if not self.free_rows:
-            rows = self.table.shape[0]
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-            self.free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        row = self.free_rows.pop()
-        self.table[row, :len(block_ids)] = block_ids
-        return row
-
-    def append(self, row: int, start: int, block_ids: list[int]) -> None:
-        self.table[row, start:start + len(block_ids)] = block_ids
-
-    def release(self, row: int) -> None:
-        self.free_rows.append(row)
-
-
 class InputBatch:
     def __init__(self, block_size: int, max_model_len: int, device: torch.device, backend: AttentionBackend,
-                 cascade: bool) -> None:
+                 cascade: bool, staging_size: int = 4096) -> None:
+        """``staging_size``: elements of each dtype's staging buffers at start (they grow if a step needs more)."""
         self.block_size = block_size
         self.device = device
         self.backend = backend
@@ -77,8 +58,16 @@ class InputBatch:
         self.requests: dict[str, RequestState] = {}
         self.blocks = BlockTable(-(-max_model_len // block_size))
         self.num_cascade_steps = 0  # steps that attended shared-prefix groups
-        # off a CPU device, a step's arrays go over in one pinned copy per dtype (``workers.staging``)
-        self.staging = Staging(device) if device.type != "cpu" else None
+        self.staging: Staging | None = None
+        self.device_table: DeviceBlockTable | None = None
+        if device.type != "cpu":
+            self.use_staging(Staging(device, initial=staging_size))
+
+    def use_staging(self, staging: Staging) -> None:
+        """Send each step's arrays through ``staging`` (one copy per dtype; off a CPU device, pinned
+        and non-blocking) and keep the block table's copy on its device (tests run this on CPU)."""
+        self.staging = staging
+        self.device_table = DeviceBlockTable(self.blocks, staging.device)
 
     def update(self, so: SchedulerOutput) -> None:
         """Apply the scheduler's diffs: drop finished/preempted requests, add new ones, extend the rest."""
@@ -139,15 +128,19 @@ class InputBatch:
 
         plan = plan_cascade(table, first, bs) if self.cascade else None
         arrays = [np.array(input_ids, dtype=np.int64), positions, slots, query_start.astype(np.int32),
-                  seq_lens.astype(np.int32), table, np.array(logits_indices, dtype=np.int64)]
+                  seq_lens.astype(np.int32), np.array(logits_indices, dtype=np.int64)]
         if plan is not None:
             self.num_cascade_steps += 1
             arrays += [plan.kv_starts, plan.block_tables, plan.lens, plan.member_start, plan.members]
-        if self.staging is None:
-            tensors = [torch.from_numpy(a) for a in arrays]  # CPU: the arrays themselves
-        else:
-            tensors = self.staging.upload(arrays)
-        ids, positions_t, slots_t, query_start_t, seq_lens_t, table_t, logits_t = tensors[:7]
+        if self.staging is None:  # CPU: the arrays themselves, the table's rows gathered on the host
+            tensors = [torch.from_numpy(a) for a in arrays]
+            table_t = torch.from_numpy(table)
+        else:  # the table's new ids and the step's row numbers go with the rest; its rows are gathered there
+            tensors = self.staging.upload(arrays + [rows, *self.blocks.take_writes()])
+            rows_t, index_t, values_t = tensors[-3:]
+            self.device_table.apply(index_t, values_t)
+            table_t = self.device_table.gather(rows_t, width)
+        ids, positions_t, slots_t, query_start_t, seq_lens_t, logits_t = tensors[:6]
         meta = PagedAttentionMetadata(
             slot_mapping=slots_t,
             query_start_loc=query_start_t,
@@ -156,7 +149,7 @@ class InputBatch:
             query_lens=query_lens,
             context_lens=seq_lens.tolist(),
             num_decodes=num_decodes,
-            cascade=CascadeGroups(*tensors[7:]) if plan is not None else None,
+            cascade=CascadeGroups(*tensors[6:11]) if plan is not None else None,
             backend=self.backend,
         )
         return StepBatch(

@@ -72,9 +72,7 @@ class TritonAttentionBackend:
                 props = torch.cuda.get_device_properties(torch.cuda.current_device())
                 target_programs = 2 * props.multi_processor_count
         self.target_programs, self.min_split_tiles, self.max_splits = target_programs, min_split_tiles, max_splits
-        # (metadata, what the plan depends on): a metadata object reused for another step gets a new plan
-        self._plan_for: tuple | None = None
-        self._plan: list[_Launch] = []
+        self.last_plan: list[_Launch] = []  # the latest step's launches (for inspection)
 
     def num_splits(self, num_tiles: int, kv_heads: int, longest: int) -> int:
         """How many parts to cut each tile's keys into for a launch of ``num_tiles`` tiles."""
@@ -84,12 +82,15 @@ class TritonAttentionBackend:
         return max(1, min(wanted, key_tiles // self.min_split_tiles, self.max_splits))
 
     def plan(self, meta: PagedAttentionMetadata, num_heads: int, kv_heads: int) -> list[_Launch]:
-        """The step's launches, built once per step (the layers share the metadata; the plan's copy of
-        the lengths notices a metadata object refilled for another step)."""
-        key = (num_heads, kv_heads, meta.num_decodes, meta.query_lens, meta.context_lens, meta.deterministic)
-        cached = self._plan_for
-        if cached is not None and cached[0] is meta and cached[1] == key:
-            return self._plan
+        """The step's launches, built once per step and kept on the metadata (``backend_plan``: the
+        layers share the metadata, and a CUDA graph captured over it replays the plan's tensors); the
+        plan's copy of the lengths notices a metadata object refilled for another step."""
+        key = (self.block_n, num_heads, kv_heads, meta.num_decodes, meta.query_lens, meta.context_lens,
+               meta.deterministic)
+        cached = meta.backend_plan
+        if cached is not None and cached[0] == key:
+            self.last_plan = cached[1]
+            return cached[1]
         group_p2 = 1 << max(0, (num_heads // kv_heads) - 1).bit_length()
         launches = []
         nd, n = meta.num_decodes, meta.num_seqs
@@ -103,8 +104,9 @@ class TritonAttentionBackend:
             splits = 1 if meta.deterministic else self.num_splits(
                 num_tiles, kv_heads, max(meta.context_lens[s] for s in seqs))
             launches.append(_Launch(seqs, meta, block_q, splits))
-        self._plan_for, self._plan = (meta, (num_heads, kv_heads, meta.num_decodes, list(meta.query_lens),
-                                             list(meta.context_lens), meta.deterministic)), launches
+        meta.backend_plan = ((self.block_n, num_heads, kv_heads, meta.num_decodes, list(meta.query_lens),
+                              list(meta.context_lens), meta.deterministic), launches)
+        self.last_plan = launches
         return launches
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,

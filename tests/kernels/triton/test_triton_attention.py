@@ -90,13 +90,13 @@ def test_split_kv_one_long_and_many_short():
     tables = [pool.blocks(s) for _, s in specs]
     split = TritonAttentionBackend(block_n=32, target_programs=64, min_split_tiles=2)
     worst, out_split = run_step(pool, specs, tables, 8, split)
-    launches = split._plan
+    launches = split.last_plan
     assert [launch.num_splits for launch in launches] == [
         split.num_splits(9, 2, 600), split.num_splits(1, 2, 460)] == [4, 7]
     assert torch.isfinite(out_split).all() and worst < 1e-5
     single = TritonAttentionBackend(block_n=32, target_programs=1)
     worst_single, out_single = run_step(pool, specs, tables, 8, single)
-    assert [launch.num_splits for launch in single._plan] == [1, 1]
+    assert [launch.num_splits for launch in single.last_plan] == [1, 1]
     assert worst_single < 1e-5
     torch.testing.assert_close(out_split, out_single, atol=1e-5, rtol=1e-5)
 
@@ -107,7 +107,7 @@ def test_more_splits_than_key_tiles_of_a_short_sequence():
     specs = [(1, 3), (1, 120), (1, 9)]
     backend = TritonAttentionBackend(block_n=16, target_programs=100, min_split_tiles=1)
     worst, out = run_step(pool, specs, [pool.blocks(s) for _, s in specs], 4, backend)
-    assert backend._plan[0].num_splits == 8  # 120 keys = 8 tiles of 16; the 3-token context fills one
+    assert backend.last_plan[0].num_splits == 8  # 120 keys = 8 tiles of 16; the 3-token context fills one
     assert torch.isfinite(out).all() and worst < 1e-5
 
 
@@ -166,15 +166,20 @@ def test_a_metadata_object_refilled_for_the_next_step_gets_a_new_plan():
 
     pool = Pool(40, 8, 2, 64, seed=9)
     backend = TritonAttentionBackend()
+    planned = []  # the metadata objects the backend planned for
+    plan = backend.plan
+    backend.plan = lambda meta, heads, kv_heads: (planned.append(meta), plan(meta, heads, kv_heads))[1]
     first_specs = [(1, 9), (12, 12)]
     first_tables = [pool.blocks(s) for _, s in first_specs]
     _, _ = run_step(pool, first_specs, first_tables, 4, backend)
-    meta = backend._plan_for[0]
-    assert [launch.num_tokens for launch in backend._plan] == [1, 12]
+    meta = planned[-1]
+    assert [launch.num_tokens for launch in backend.last_plan] == [1, 12]
     # the next step refills the same object in place: one more token for both, now both decodes
     gen = torch.Generator().manual_seed(4)
     nxt = PagedAttentionMetadata.build([1, 1], [10, 13], first_tables, 8, backend=backend)
     for field in dataclasses.fields(nxt):
+        if field.name == "backend_plan":
+            continue  # the old step's plan stays: its copy of the lengths must notice the refill
         value = getattr(nxt, field.name)
         if isinstance(value, list):
             getattr(meta, field.name)[:] = value  # lists refilled in place
@@ -183,7 +188,7 @@ def test_a_metadata_object_refilled_for_the_next_step_gets_a_new_plan():
     q = torch.randn(2, 4, 64, generator=gen)
     kv = torch.randn(2, 2, 2, 64, generator=gen)
     out = paged_attention(q, kv[0], kv[1], pool.k, pool.v, meta, 0.125)
-    assert [launch.num_tokens for launch in backend._plan] == [2]
+    assert [launch.num_tokens for launch in backend.last_plan] == [2]
     for i, ((_, s), table) in enumerate(zip([(1, 10), (1, 13)], first_tables)):
         k, v = pool.context(table, s)
         ref = naive_causal_attention(q[i:i + 1].double(), k.double(), v.double(), 0.125)
