@@ -10,8 +10,9 @@ Reported, as JSON and a short table:
 - Hugging Face `generate` on the same device and checkpoint, one static batch, as the peer;
 - the torch and Triton attention backends: step times, and greedy tokens compared teacher-forced (the
   Triton engine predicts every next token of the torch engine's outputs, given the tokens before it);
-  the command exits 1 when they agree on fewer than ``--min-agreement`` of the positions.
-CUDA graphs are not part of the engine yet; the report says so.
+- CUDA graphs on vs off (on CUDA, the Triton backend with ``enforce_eager=False``): decode step times
+  at the same batch sizes, and the graphs' greedy tokens against the eager Triton engine's, teacher-forced;
+the command exits 1 when a comparison agrees on fewer than ``--min-agreement`` of the positions.
 
 On a CPU device the Triton backend runs under its interpreter (set here before the kernels load), so a
 tiny preset smoke-tests every part of the command (tests/benchmarks/test_gpu_bench.py).
@@ -49,6 +50,7 @@ def add_bench_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agreement-prompts", type=int, default=16)
     parser.add_argument("--agreement-len", type=int, default=32, help="greedy tokens compared per prompt")
     parser.add_argument("--min-agreement", type=float, default=0.99)
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph runs")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV pool per engine (default: 16 GiB on CUDA, 512 MiB on CPU)")
     parser.add_argument("--out", default="docs/bench/gpu.json")
@@ -160,20 +162,27 @@ def _engine(model_dir: str, backend: str, args, device: str, dtype: str, **overr
     return LLM(model_dir, **kwargs)
 
 
+def decode_table(llm, args, dtype: str, hf_config: dict, bandwidth: float, corpus: list[int]) -> list[dict]:
+    """Decode step time per batch size of ``args.batches``, beside the memory-bandwidth bound."""
+    dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
+    rows = []
+    for batch in args.batches:
+        span = len(corpus) - args.prompt_len
+        prompts = [corpus[(i * 7919) % span:(i * 7919) % span + args.prompt_len] for i in range(batch)]
+        step_s = decode_step_times(llm, prompts, args.decode_steps)
+        context = args.prompt_len + args.decode_steps // 2
+        bound_s = decode_bytes(hf_config, dtype_bytes, batch, context) / bandwidth
+        rows.append({"batch": batch, "step_ms": 1000 * step_s, "bound_ms": 1000 * bound_s,
+                     "x_bound": step_s / bound_s, "tokens_per_s": batch / step_s})
+    return rows
+
+
 def bench_backend(model_dir: str, backend: str, args, device: str, dtype: str, hf_config: dict,
                   bandwidth: float, corpus: list[int]) -> dict:
     """Decode steps per batch size and prefill rate of one backend."""
-    dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
-    out: dict = {"decode": []}
+    out: dict = {}
     with _engine(model_dir, backend, args, device, dtype) as llm:
-        for batch in args.batches:
-            span = len(corpus) - args.prompt_len
-            prompts = [corpus[(i * 7919) % span:(i * 7919) % span + args.prompt_len] for i in range(batch)]
-            step_s = decode_step_times(llm, prompts, args.decode_steps)
-            context = args.prompt_len + args.decode_steps // 2
-            bound_s = decode_bytes(hf_config, dtype_bytes, batch, context) / bandwidth
-            out["decode"].append({"batch": batch, "step_ms": 1000 * step_s, "bound_ms": 1000 * bound_s,
-                                  "x_bound": step_s / bound_s, "tokens_per_s": batch / step_s})
+        out["decode"] = decode_table(llm, args, dtype, hf_config, bandwidth, corpus)
         span = len(corpus) - args.prefill_len
         prompts = [corpus[(i * 104729) % span:(i * 104729) % span + args.prefill_len]
                    for i in range(args.prefill_prompts)]
@@ -218,9 +227,31 @@ def hf_generate(model_dir: str, prompts: list[list[int]], new_tokens: int, devic
     return produced / elapsed
 
 
+def cuda_graphs(model_dir: str, args, device: str, dtype: str, hf_config: dict, bandwidth: float,
+                corpus: list[int], eager: dict) -> dict:
+    """The Triton backend with ``enforce_eager=False``: decode steps beside the eager ones (``eager``,
+    that backend's ``bench_backend`` result) and greedy agreement with the eager engine."""
+    if device != "cuda" or "triton" not in args.backends or args.no_graphs:
+        return {"status": "not run: they need CUDA and the triton backend" if not args.no_graphs
+                else "not run (--no-graphs)"}
+    with _engine(model_dir, "triton", args, device, dtype, enforce_eager=False) as llm:
+        sizes = llm.stats()["cuda_graph_sizes"]
+        if not sizes:
+            _free(device)
+            return {"status": "capture failed: every step ran eagerly (the engine's log says why)"}
+        rows = decode_table(llm, args, dtype, hf_config, bandwidth, corpus)
+    _free(device)
+    for row, before in zip(rows, eager["decode"]):
+        row["x_eager"] = before["step_ms"] / row["step_ms"]
+    agreement = backend_agreement(model_dir, "triton", "triton", args, device, dtype, corpus,
+                                  other_overrides={"enforce_eager": False})
+    return {"status": "captured", "sizes": sizes, "decode": rows, "agreement": agreement}
+
+
 def backend_agreement(model_dir: str, reference: str, other: str, args, device: str, dtype: str,
-                      corpus: list[int]) -> dict:
-    """Greedy tokens of ``reference``, and the share of them ``other`` predicts teacher-forced."""
+                      corpus: list[int], other_overrides: dict | None = None) -> dict:
+    """Greedy tokens of ``reference``, and the share of them ``other`` (with ``other_overrides``)
+    predicts teacher-forced."""
     span = len(corpus) - args.prompt_len
     prompts = [corpus[(i * 3571) % span:(i * 3571) % span + args.prompt_len] for i in range(args.agreement_prompts)]
     with _engine(model_dir, reference, args, device, dtype) as llm:
@@ -228,7 +259,7 @@ def backend_agreement(model_dir: str, reference: str, other: str, args, device: 
                    llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(args.agreement_len))]
     _free(device)
     forced = [(p + out[:k], out[k]) for p, out in zip(prompts, outputs) for k in range(len(out))]
-    with _engine(model_dir, other, args, device, dtype) as llm:
+    with _engine(model_dir, other, args, device, dtype, **(other_overrides or {})) as llm:
         predicted = [o.outputs[0].token_ids[0] for o in
                      llm.generate([{"prompt_token_ids": ids} for ids, _ in forced], _greedy(1))]
     _free(device)
@@ -273,7 +304,8 @@ def bench_gpu(args) -> dict:
     if len(args.backends) > 1:
         report["agreement"] = backend_agreement(model_dir, args.backends[0], args.backends[1], args, device, dtype,
                                                 corpus)
-    report["cuda_graphs"] = "not implemented: every decode step runs eagerly"
+    report["cuda_graphs"] = cuda_graphs(model_dir, args, device, dtype, hf_config, bandwidth, corpus,
+                                        report["backends"].get("triton", {}))
     report["elapsed_s"] = time.perf_counter() - started
     return report
 
@@ -293,7 +325,15 @@ def format_gpu_report(report: dict) -> str:
         a = report["agreement"]
         lines.append(f"{a['other']} vs {a['reference']}: {a['agreeing']}/{a['positions']} greedy positions agree "
                      f"({a['agreement']:.1%})")
-    lines.append(f"CUDA graphs: {report['cuda_graphs']}; {report['elapsed_s']:.0f} s in all")
+    graphs = report["cuda_graphs"]
+    lines.append(f"CUDA graphs: {graphs['status']}")
+    for d in graphs.get("decode", []):
+        lines.append(f"  batch {d['batch']:>4}: step {d['step_ms']:8.2f} ms ({d['x_bound']:.2f}x the bound, "
+                     f"{d['x_eager']:.2f}x faster than eager)")
+    if "agreement" in graphs:
+        a = graphs["agreement"]
+        lines.append(f"  graphs vs eager: {a['agreeing']}/{a['positions']} greedy positions agree ({a['agreement']:.1%})")
+    lines.append(f"{report['elapsed_s']:.0f} s in all")
     return "\n".join(lines)
 
 
@@ -303,12 +343,14 @@ def run_bench_gpu(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    agreement = report.get("agreement")
-    if agreement is not None and agreement["agreement"] < args.min_agreement:
-        print(f"bench-gpu: the backends agree on {agreement['agreement']:.1%} of greedy positions, below "
-              f"{args.min_agreement:.0%}", file=sys.stderr)
-        return 1
-    return 0
+    failed = 0
+    for what, agreement in (("the backends", report.get("agreement")),
+                            ("CUDA graphs and eager steps", report["cuda_graphs"].get("agreement"))):
+        if agreement is not None and agreement["agreement"] < args.min_agreement:
+            print(f"bench-gpu: {what} agree on {agreement['agreement']:.1%} of greedy positions, below "
+                  f"{args.min_agreement:.0%}", file=sys.stderr)
+            failed = 1
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ ENGINE_KWARGS = frozenset({
     "seed", "placement_strategy", "attention_backend", "cascade_attention", "max_worker_restarts",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
     "max_stop_token_ids", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
+    "enforce_eager",
 })
 # Serve deployment options that deployment_config / ingress_deployment_config may set
 DEPLOYMENT_OPTIONS = frozenset({
@@ -107,6 +108,8 @@ class AppArgs(BaseModel):
     kv_offload_bytes: int | None = None
     # batch-invariant numerics: a greedy request's tokens and logprobs do not depend on its batch
     deterministic: bool = False
+    # False: decode steps replay CUDA graphs (CUDA, attention_backend triton); eager by default for now
+    enforce_eager: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

@@ -170,6 +170,10 @@ class EngineConfig:
     # batch-invariant serving: a greedy request's tokens and logprobs are the same to the bit whatever
     # shares its batch, the chunk budget, a prefix-cache hit or a preemption (the compiled CPU kernels)
     deterministic: bool = False
+    # True: every step runs eagerly. False: on CUDA with the triton attention backend, decode-only steps
+    # replay CUDA graphs captured at start (``workers.cuda_graphs``). True by default until the capture
+    # has run on a GPU.
+    enforce_eager: bool = True
     # lost ranks are rebuilt at most this many times within the window (then the engine is dead);
     # each rebuild after the first in the window waits restart_backoff_s, doubling
     max_worker_restarts: int = 3

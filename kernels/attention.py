@@ -105,6 +105,9 @@ class AttentionBackend(Protocol):
     supports_deterministic: bool  # honours ``PagedAttentionMetadata.deterministic`` (absent: False)
     layer_ops: object | None  # fused norm / activation / rotary ops for the layers, if the backend has them
     interpreted: bool  # its kernels run under an interpreter (tests): no warm-up at start
+    # its kernels read every length from device memory, so a CUDA graph captured over one step's
+    # metadata replays correctly for another's (absent: False)
+    supports_graphs: bool
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:

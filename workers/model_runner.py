@@ -18,6 +18,7 @@ from engine.messages import ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from kernels import PagedAttentionMetadata, select_backend
 from kernels.backends import deterministic_error
+from workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.input_batch import InputBatch, RequestState
 from workers.kv_pool import KVPoolSpec, allocate_kv_pool
 from workers.layers.kernels import bind_cpu_kernels, bind_layer_ops
@@ -62,9 +63,61 @@ class ModelRunner:
         argmax = getattr(self.attention_backend.layer_ops, "argmax", None)
         self.sampler = Sampler(device, config.seed, argmax) if tp.is_first_rank else None
         self.eos_token_ids = tuple(config.model.eos_token_ids)
+        self.graphs: DecodeGraphs | None = None  # decode-only steps through CUDA graphs (``capture_graphs``)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_pool(self.kv_spec, num_blocks, self.device, prefault=True)
+
+    def graphs_unavailable(self) -> str | None:
+        """Why decode steps cannot run through CUDA graphs here, or None."""
+        if self.config.enforce_eager:
+            return "enforce_eager=True"
+        if self.device.type != "cuda":
+            return f"they need a CUDA device, not {self.device.type}"
+        if not getattr(self.attention_backend, "supports_graphs", False):
+            return (f"the {self.attention_backend.name} attention backend cannot be captured "
+                    f"(attention_backend='triton' can)")
+        return None
+
+    def capture_graphs(self, capture: bool | None = None, sizes: list[int] | None = None) -> bool:
+        """Capture the decode buckets (after the KV pool exists). ``capture=False`` sets up the same
+        buffers and plans and runs the model eagerly through them (tests on CPU); by default a graph
+        is captured where ``graphs_unavailable`` says nothing. A failure is a warning: every step then
+        runs eagerly. Answers whether the buckets are in use."""
+        if capture is None:
+            why = self.graphs_unavailable()
+            if why is not None:
+                if self.tp.is_first_rank and not self.config.enforce_eager:
+                    logger.info("CUDA graphs off: %s; every step runs eagerly", why)
+                return False
+            capture = True
+        sizes = sizes or graph_batch_sizes(self._max_decodes())
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.attention_backend, sizes,
+                              -(-self.config.max_model_len // self.block_size), self.config.max_model_len,
+                              self.config.deterministic, self.device, capture)
+        error = None
+        try:
+            graphs.capture()
+        except Exception as exc:  # noqa: BLE001 (any capture failure: warn, run eagerly)
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if self.tp.size > 1:  # every rank takes the same path in every step, or none uses the graphs
+            ok = torch.tensor([0.0 if error else 1.0], device=self.device)
+            self.tp.all_reduce(ok)
+            if error is None and ok.item() < self.tp.size:
+                error = "another tensor-parallel rank failed to capture"
+        if error is not None:
+            logger.warning("CUDA graph capture failed (%s): every step runs eagerly", error)
+            del graphs
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            return False
+        self.graphs = graphs
+        if self.tp.is_first_rank:
+            logger.info("CUDA graphs: decode batch sizes %d-%d (%d buckets) %s in %.1f s, %.0f MiB", sizes[0],
+                        sizes[-1], len(sizes), "captured" if capture else "set up eagerly", graphs.capture_s,
+                        graphs.pool_bytes / 2**20)
+        return True
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -81,7 +134,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
+        bucket = self.graphs.bucket(batch.attn_meta) if self.graphs is not None else None
+        if bucket is not None:
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn_meta, bucket)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sample_rows else None
         if events is not None:
             events[1].record()

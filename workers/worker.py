@@ -121,6 +121,9 @@ class Worker:
         self.host_tier = HostKVTier(self.runner.kv_spec, num_host, self.device) if num_host else None
         if self.device.type == "cpu" and not self.runner.attention_backend.interpreted:
             self.runner.warm_up()  # (an interpreted backend is for tests: nothing to warm)
+        self.runner.capture_graphs()  # where they can run and enforce_eager=False (a log line says)
+        if self.runner.graphs is not None and hasattr(self, "memory_profile"):
+            self.memory_profile["cuda_graphs"] = self.runner.graphs.pool_bytes
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if scheduler_output.kv_offloads or scheduler_output.kv_restores:
@@ -147,6 +150,8 @@ class Worker:
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.runner.attention_backend.name,
             "device": str(self.device),
+            # decode batch sizes that replay a CUDA graph (none: every step runs eagerly)
+            "cuda_graph_sizes": list(self.runner.graphs.sizes) if self.runner.graphs is not None else [],
         }
 
     def shutdown(self) -> None:

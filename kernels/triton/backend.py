@@ -50,6 +50,7 @@ class TritonAttentionBackend:
     name = "triton"
     supports_cascade = False
     supports_deterministic = True
+    supports_graphs = True  # every length is read from device memory (``workers.cuda_graphs``)
     deterministic_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     # on a CPU device Triton runs only under its interpreter (TRITON_INTERPRET=1, read at import)
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

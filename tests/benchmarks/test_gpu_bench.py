@@ -40,6 +40,8 @@ def test_bench_gpu_smoke_on_cpu(model_dirs, tmp_path):
     assert (agreement["reference"], agreement["other"], agreement["positions"]) == ("torch", "triton", 3)
     assert agreement["agreeing"] == 3  # float32, the same model: the backends pick the same tokens
     assert "triton vs torch: 3/3 greedy positions agree" in proc.stdout
+    assert report["cuda_graphs"] == {"status": "not run: they need CUDA and the triton backend"}
+    assert "CUDA graphs: not run: they need CUDA and the triton backend" in proc.stdout
 
 
 def test_the_bound_counts_every_weight_a_decode_reads(model_dirs):
@@ -62,11 +64,22 @@ def test_backends_that_disagree_fail_the_command(monkeypatch, tmp_path, capsys):
               "shared_system_prompt_output_tokens_per_s": {"cache": 1.0, "nocache": 1.0},
               "agreement": {"reference": "torch", "other": "triton", "positions": 100, "agreeing": 98,
                             "agreement": 0.98},
-              "cuda_graphs": "not implemented", "elapsed_s": 1.0}
+              "cuda_graphs": {"status": "captured", "sizes": [1, 2], "decode": [
+                  {"batch": 1, "step_ms": 2.0, "bound_ms": 1.0, "x_bound": 2.0, "tokens_per_s": 500.0,
+                   "x_eager": 3.0}],
+                  "agreement": {"reference": "triton", "other": "triton", "positions": 100, "agreeing": 100,
+                                "agreement": 1.0}},
+              "elapsed_s": 1.0}
     monkeypatch.setattr(gpu_bench, "bench_gpu", lambda args: report)
     args = type("Args", (), {"out": str(tmp_path / "r.json"), "min_agreement": 0.99})()
     assert gpu_bench.run_bench_gpu(args) == 1
-    assert "the backends agree on 98.0% of greedy positions, below 99%" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "the backends agree on 98.0% of greedy positions, below 99%" in captured.err
+    assert "  batch    1: step     2.00 ms (2.00x the bound, 3.00x faster than eager)" in captured.out
+    assert "  graphs vs eager: 100/100 greedy positions agree (100.0%)" in captured.out
     assert json.loads((tmp_path / "r.json").read_text())["agreement"]["agreeing"] == 98
     args.min_agreement = 0.95
     assert gpu_bench.run_bench_gpu(args) == 0
+    report["cuda_graphs"]["agreement"].update(agreeing=90, agreement=0.9)  # graphs that change tokens fail it
+    assert gpu_bench.run_bench_gpu(args) == 1
+    assert "CUDA graphs and eager steps agree on 90.0% of greedy positions, below 95%" in capsys.readouterr().err

@@ -125,3 +125,30 @@ def test_deterministic_engine_on_cuda(model_dirs):
     with LLM(model=model_dirs["llama"], max_num_batched_tokens=16, **kwargs) as llm:
         assert run_with_others(llm, target, 3, seed=1)[0] == alone
         assert run_with_others(llm, target, 8, seed=2)[0] == alone
+
+
+def test_cuda_graphs_replay_decode_steps_with_the_eager_tokens(model_dirs, hf_oracle):
+    """enforce_eager=False on the compiled Triton path: every bucket captured at start, decode-only
+    steps replayed (padded buckets included), the eager engine's greedy tokens and HF's."""
+    from engine import LLM, SamplingParams
+    from tests.e2e.prompts import test_prompts as make_prompts
+
+    prompts = [p[:20 + 7 * i] for i, p in enumerate(make_prompts(model_dirs["llama"])[:5])]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 10, 9, 6, 3)]
+    kwargs = dict(attention_backend="triton", device="cuda", dtype="float32", block_size=16, num_kv_blocks=256,
+                  max_model_len=512, max_num_seqs=8)
+    runs = {}
+    for eager in (True, False):
+        with LLM(model=model_dirs["llama"], enforce_eager=eager, **kwargs) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            runner = llm.core.executor.worker.runner
+            if not eager:
+                assert llm.stats()["cuda_graph_sizes"] == [1, 2, 4, 8]
+                assert sorted(runner.graphs.graphs) == [1, 2, 4, 8]  # captured, not run eagerly
+                assert runner.graphs.num_replays >= 8  # five decoding down to one: buckets 8, 4, 2 and 1
+            runs[eager] = outs
+    for prompt, e, g in zip(prompts, runs[True], runs[False]):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        hf_oracle("llama").assert_greedy(prompt, g.outputs[0].token_ids)
+        for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert le.keys() == lg.keys() and all(abs(le[t] - lg[t]) < 1e-3 for t in le)

@@ -233,3 +233,7 @@ def test_host_tier_and_deterministic_settings_reach_the_engine(model_dirs):
     assert config.cache.num_host_kv_blocks == 64 and config.deterministic is True
     by_bytes = build_app({"model": model_dirs["llama"], "engine_kwargs": {"kv_offload_bytes": 1 << 20}})
     assert by_bytes._bound_deployment.init_args[0]._bound_deployment.init_args[0].cache.kv_offload_bytes == 1 << 20
+    assert config.enforce_eager is True  # CUDA graphs are asked for: enforce_eager False, flat or in engine_kwargs
+    for args in ({"enforce_eager": False}, {"engine_kwargs": {"enforce_eager": False}}):
+        graphs = build_app({"model": model_dirs["llama"], **args})
+        assert graphs._bound_deployment.init_args[0]._bound_deployment.init_args[0].enforce_eager is False
