@@ -46,7 +46,8 @@ bench: install
 	$(BIN)/kvserve bench --workload all --out docs/bench
 
 # One GPU: the llama `1b` preset (bf16, built on first use); decode steps beside the bandwidth bound, prefill,
-# the shared-prompt workload, HF generate, torch vs Triton attention. Exits 1 if the two backends disagree.
+# the shared-prompt workload, HF generate, torch vs Triton attention, CUDA graphs on vs off. Exits 1 if the
+# backends, or graphs and eager steps, disagree.
 bench-gpu: install
 	$(BIN)/kvserve bench-gpu --out docs/bench/gpu.json
 
