@@ -83,3 +83,16 @@ def test_backends_that_disagree_fail_the_command(monkeypatch, tmp_path, capsys):
     report["cuda_graphs"]["agreement"].update(agreeing=90, agreement=0.9)  # graphs that change tokens fail it
     assert gpu_bench.run_bench_gpu(args) == 1
     assert "CUDA graphs and eager steps agree on 90.0% of greedy positions, below 95%" in capsys.readouterr().err
+
+
+def test_the_device_script_reports_a_machine_without_cuda_and_fails(tmp_path):
+    """benchmarks/gpu_check.sh (the one prepared run for a GPU machine): on this CPU the gpu tests fail at
+    their first check, the script says so in its summary and exits 1; its logs land in $OUT."""
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "PARTS": "tests"})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = (tmp_path / "device.txt").read_text().splitlines()
+    assert summary[1:] == ["device none: these checks need CUDA", "gpu tests: exit 1"]
+    assert "the gpu tests need a CUDA device" in (tmp_path / "gpu_tests.log").read_text()
+    assert not (tmp_path / "gpu.json").exists()  # PARTS=tests: no bench
