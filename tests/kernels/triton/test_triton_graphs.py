@@ -1,8 +1,9 @@
 """Decode steps through the CUDA-graph buckets (``workers.cuda_graphs``), here with the model run
 eagerly over the static buffers instead of a graph replay (``capture=False``, under the Triton
-interpreter): the buckets' padding, static metadata and launch plans (split-KV for max_model_len
-contexts, splits that find no keys) give Hugging Face's tokens and the eager path's, and a padded
-step writes exactly its own sequences' slots of the pool."""
+interpreter), fed as on CUDA (staged copies, the block table's device copy gathered by row): the
+buckets' padding, static metadata and launch plans (split-KV for max_model_len contexts, splits that
+find no keys) give Hugging Face's tokens and the eager path's, and a padded step writes exactly its
+own sequences' slots of the pool."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.e2e.prompts import test_prompts as make_prompts
+from workers.staging import Staging
 
 SETTINGS = dict(attention_backend="triton", block_size=8, num_kv_blocks=64, max_model_len=256,
                 max_num_batched_tokens=64, max_num_seqs=4)
@@ -21,7 +23,8 @@ def _run(model_dir: str, prompts: list[list[int]], max_tokens: list[int], graphs
     steps = []
     with LLM(model=model_dir, **SETTINGS) as llm:
         runner = llm.core.executor.worker.runner
-        if graphs:
+        if graphs:  # with the CUDA path's inputs too: staged copies, the block table's device copy
+            runner.batch.use_staging(Staging(torch.device("cpu"), pin=False))
             assert runner.capture_graphs(capture=False, sizes=[1, 2, 4])
             # the bucket of 1 and 2 split a 256-token context's 8 key tiles in two (4 tiles each at
             # least); most of a decode's splits then find no keys
