@@ -122,9 +122,10 @@ class InputBatch:
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start[:-1] - first, q_lens)
         width = -(-int(seq_lens.max()) // bs)
         rows = np.array([s.row for s in ordered], dtype=np.int64)
-        table = self.blocks.table[rows, :width]
-        token_seq = np.repeat(np.arange(num_seqs), q_lens)
-        slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = self.blocks.table[np.repeat(rows, q_lens), positions // bs].astype(np.int64) * bs + positions % bs
+        # the step's rows on the host: for the CPU path's tensors and the shared-prefix plan (off CPU the
+        # device gathers its own copy of them)
+        table = self.blocks.table[rows, :width] if self.staging is None or self.cascade else None
 
         plan = plan_cascade(table, first, bs) if self.cascade else None
         arrays = [np.array(input_ids, dtype=np.int64), positions, slots, query_start.astype(np.int32),

@@ -57,6 +57,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.host_tier: HostKVTier | None = None
         self._memory_at_start: tuple[int, int] | None = None  # CUDA (free, total) before loading
+        self.memory_profile: dict[str, int] = {}  # CUDA: what the KV budget took off, and the graphs' pool
 
     def init_device(self) -> None:
         if self.device.type == "cpu":
@@ -122,7 +123,7 @@ class Worker:
         if self.device.type == "cpu" and not self.runner.attention_backend.interpreted:
             self.runner.warm_up()  # (an interpreted backend is for tests: nothing to warm)
         self.runner.capture_graphs()  # where they can run and enforce_eager=False (a log line says)
-        if self.runner.graphs is not None and hasattr(self, "memory_profile"):
+        if self.runner.graphs is not None:
             self.memory_profile["cuda_graphs"] = self.runner.graphs.pool_bytes
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
