@@ -1,8 +1,15 @@
 """The plain-torch attention backend: runs on any device and is the fallback where the compiled
 kernels are not available. Decode gathers each sequence's blocks into contiguous K/V and runs one
 batched SDPA with grouped-query heads folded into the query axis; a prefill chunk without a prefix
-attends to its own K/V, one after a cached prefix reads its context from the pool with a shifted
-causal mask. Shared-prefix groups are ignored (the result is the same).
+attends to its own K/V, one after a cached prefix reads its context from the pool with a bottom-right
+aligned causal mask. Shared-prefix groups are ignored (the result is the same).
+
+A prefill's SDPA takes 4-D tensors ([1, heads, q, d]) with the K/V heads repeated to the query heads
+and no dense mask (``is_causal``, or ``causal_lower_right`` after a prefix), so that a fused kernel
+(flash, memory-efficient; CPU flash) can run it: 3-D inputs, an explicit mask on CUDA's flash kernel,
+or unequal heads on the memory-efficient kernel send SDPA to its math path, which materialises the
+whole [heads, q, context] score matrix (32 GiB in float32 for a 2048-token chunk after a 128k-token
+prefix at 32 heads). The repeated K/V cost heads x context x d, a small part of that.
 
 The decode gather is the one transient that grows with the batch and its contexts: decodes are
 attended in slices whose gathered K/V stay within ``DECODE_GATHER_BYTES`` (each slice gathering up
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.attention import PagedAttentionMetadata
 
@@ -97,21 +105,36 @@ def paged_prefill_attention(
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         end = start + query_len
-        q = query[start:end].transpose(0, 1)  # [heads, q, d]
-        prefix_len = seq_len - query_len
-        if prefix_len == 0:
-            k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        if seq_len == query_len:
+            k, v = key[start:end], value[start:end]
         else:
             blocks = block_tables[i, : -(-seq_len // block_size)]
-            k = _gather(k_pool, blocks)[:seq_len].transpose(0, 1)
-            v = _gather(v_pool, blocks)[:seq_len].transpose(0, 1)
-            rows = torch.arange(prefix_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= rows[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+            k, v = _gather(k_pool, blocks)[:seq_len], _gather(v_pool, blocks)[:seq_len]
+        out[start:end] = _causal_sdpa(query[start:end], k, v, scale)
         start = end
     return out
+
+
+def _heads_first(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[tokens, kv_heads, d] -> [1, num_heads, tokens, d], each K/V head repeated for its query heads."""
+    x = x.transpose(0, 1)
+    if x.shape[0] != num_heads:
+        x = x.repeat_interleave(num_heads // x.shape[0], dim=0)
+    return x.unsqueeze(0)
+
+
+def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """``query`` [q, heads, d], the last q positions of ``key``/``value`` [k, kv_heads, d] (k >= q),
+    attending causally -> [q, heads, d]. 4-D inputs, equal heads and no dense mask: every fused SDPA
+    kernel is eligible (the memory-efficient one has no grouped-query support, hence the repeat)."""
+    q_len, num_heads, _ = query.shape
+    q = query.transpose(0, 1).unsqueeze(0)
+    k, v = _heads_first(key, num_heads), _heads_first(value, num_heads)
+    if key.shape[0] == q_len:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:  # a chunk after a cached prefix: query i sees keys 0 .. prefix + i
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, key.shape[0]), scale=scale)
+    return o[0].transpose(0, 1)
 
 
 class TorchAttentionBackend:
