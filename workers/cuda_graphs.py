@@ -4,7 +4,11 @@ checked them).
 A decode step of a 1B model is some 850 kernel launches and the Python between them; a CUDA graph
 replays them as one. At start, after the KV pool exists, one graph is captured per batch-size bucket
 (``graph_batch_sizes``: 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs``, at most 512), the
-largest first, all in one memory pool. Each graph runs the model over static buffers: a decode-only
+largest first, all in one memory pool. Where ``gpu_memory_utilization`` sizes the pool, the buckets
+are captured once before, over a one-block throwaway pool, and released: the device memory they took
+(``memory_bytes``: the graphs' pool and what the driver holds for them, measured after the largest
+bucket's eager warm-up, whose activations the profile's peak already counts; and the static buffers)
+is taken off the KV budget, and the real capture must fit in it (``ModelRunner.capture_graphs``). Each graph runs the model over static buffers: a decode-only
 step of n sequences takes the smallest bucket of at least n, copies its token ids, positions, slots,
 lengths and block-table rows into the first n rows of the buffers, and reads the first n rows of the
 graph's output. The padding rows write nothing (slot -1: the KV store skips it) and attend to one key
@@ -37,6 +41,13 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 512
 
 
+def graph_memory_reserve(measured: int) -> int:
+    """What the KV budget leaves the graphs for ``measured`` bytes taken by the capture at start: 5%
+    more, at least 16 MiB, for what the second capture may differ by (allocator rounding, the driver's
+    objects); nothing where the capture at start failed."""
+    return measured + max(measured // 20, 16 << 20) if measured else 0
+
+
 def graph_batch_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
     """The buckets: 1, 2, 4, then multiples of 8, and the largest decode batch itself (capped)."""
     top = max(1, min(max_num_seqs, limit))
@@ -64,6 +75,8 @@ class DecodeGraphs:
         self.query_start = torch.arange(n + 1, **int32)  # one query token per sequence
         self.seq_lens = torch.ones(n, **int32)
         self.block_tables = torch.zeros(n, max_blocks, **int32)
+        self.buffer_bytes = sum(t.numel() * t.element_size() for t in (
+            self.input_ids, self.positions, self.slots, self.query_start, self.seq_lens, self.block_tables))
         self.metas = {
             bs: PagedAttentionMetadata(
                 slot_mapping=self.slots[:bs], query_start_loc=self.query_start[:bs + 1], seq_lens=self.seq_lens[:bs],
@@ -76,31 +89,45 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0  # steps that ran through a bucket
         self.capture_s = 0.0
-        self.pool_bytes = 0  # device memory the graphs hold (their pool)
+        self.pool_bytes = 0  # device memory the capture took (the graphs' pool, the driver's graph objects)
 
     def _forward(self, bs: int) -> torch.Tensor:
         return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self.metas[bs])
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory the buckets hold: what the capture took, and the static buffers."""
+        return self.pool_bytes + self.buffer_bytes
+
+    def _device_memory(self) -> tuple[int, int]:
+        """(bytes torch's allocator has reserved, bytes free on the device)."""
+        return torch.cuda.memory_reserved(self.device), torch.cuda.mem_get_info(self.device)[0]
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm every bucket up (Triton compiles its kernels; the plan is made and kept), then capture
         it, largest first so the smaller graphs reuse the largest one's memory. Padding rows only: the
-        buffers say slot -1, so the pool is not written."""
+        buffers say slot -1, so the pool is not written. What the capture takes is measured from
+        after the largest bucket's warm-up (the smaller ones' reuse its activations' memory): the
+        growth of torch's reserved memory or of the device's used memory, whichever is larger."""
         start = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(self.device) if self.capture_graphs else 0
         pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
+        before = None
         for bs in sorted(self.sizes, reverse=True):
             self._forward(bs)
             if not self.capture_graphs:
                 continue
             torch.cuda.synchronize(self.device)
+            if before is None:
+                before = self._device_memory()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[bs] = self._forward(bs)
             self.graphs[bs] = graph
         if self.capture_graphs:
             torch.cuda.synchronize(self.device)
-            self.pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+            reserved, free = self._device_memory()
+            self.pool_bytes = max(0, reserved - before[0], before[1] - free)
         self.capture_s = time.perf_counter() - start
 
     def bucket(self, meta: PagedAttentionMetadata) -> int | None:

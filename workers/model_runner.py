@@ -79,11 +79,36 @@ class ModelRunner:
                     f"(attention_backend='triton' can)")
         return None
 
-    def capture_graphs(self, capture: bool | None = None, sizes: list[int] | None = None) -> bool:
+    def measure_graph_memory(self) -> int | None:
+        """Before the KV pool is sized: capture the decode buckets over a one-block throwaway pool and
+        release them, answering the device memory they took (``DecodeGraphs.memory_bytes``; 0 if the
+        capture raised: then the real one is held to nothing and runs eagerly), or None where graphs
+        will not be captured. The padding rows the capture runs read block 0 and write nothing."""
+        if self.graphs_unavailable() is not None:
+            return None
+        kv_caches = allocate_kv_pool(self.kv_spec, 1, self.device)
+        graphs = DecodeGraphs(self.model, kv_caches, self.attention_backend, graph_batch_sizes(self._max_decodes()),
+                              -(-self.config.max_model_len // self.block_size), self.config.max_model_len,
+                              self.config.deterministic, self.device, capture=True)
+        try:
+            graphs.capture()
+            measured = graphs.memory_bytes
+        except Exception as exc:  # noqa: BLE001 (the real capture fails too, or is held to 0 bytes)
+            logger.warning("CUDA graph capture at start failed (%s)", f"{type(exc).__name__}: {exc}".splitlines()[0])
+            measured = 0
+        del graphs, kv_caches
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return measured
+
+    def capture_graphs(self, capture: bool | None = None, sizes: list[int] | None = None,
+                       budget: int | None = None) -> bool:
         """Capture the decode buckets (after the KV pool exists). ``capture=False`` sets up the same
         buffers and plans and runs the model eagerly through them (tests on CPU); by default a graph
         is captured where ``graphs_unavailable`` says nothing. A failure is a warning: every step then
-        runs eagerly. Answers whether the buckets are in use."""
+        runs eagerly. So are graphs that take more device memory than ``budget`` (what the KV budget
+        left them, from ``measure_graph_memory``): they are released. Answers whether the buckets are
+        in use."""
         if capture is None:
             why = self.graphs_unavailable()
             if why is not None:
@@ -100,6 +125,9 @@ class ModelRunner:
             graphs.capture()
         except Exception as exc:  # noqa: BLE001 (any capture failure: warn, run eagerly)
             error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if error is None and budget is not None and graphs.memory_bytes > budget:
+            error = (f"the graphs took {graphs.memory_bytes / 2**20:.0f} MiB, more than the {budget / 2**20:.0f} "
+                     f"MiB the KV budget left them")
         if self.tp.size > 1:  # every rank takes the same path in every step, or none uses the graphs
             ok = torch.tensor([0.0 if error else 1.0], device=self.device)
             self.tp.all_reduce(ok)
@@ -116,7 +144,7 @@ class ModelRunner:
         if self.tp.is_first_rank:
             logger.info("CUDA graphs: decode batch sizes %d-%d (%d buckets) %s in %.1f s, %.0f MiB", sizes[0],
                         sizes[-1], len(sizes), "captured" if capture else "set up eagerly", graphs.capture_s,
-                        graphs.pool_bytes / 2**20)
+                        graphs.memory_bytes / 2**20)
         return True
 
     # --- one step ---------------------------------------------------------------------------------
@@ -184,21 +212,32 @@ class ModelRunner:
         ``WARM_UP_PREFILL_TOKENS`` long: the largest one (2048 tokens by default) took 2 s of a
         rank's start on the 2-core VM, and what a larger one would add (more activation memory to
         touch) costs the first such step milliseconds."""
-        self.profile_run(WARM_UP_PREFILL_TOKENS)
+        self.profile_run(WARM_UP_PREFILL_TOKENS, after_prefix=False)
         num_seqs = self._max_decodes()
         self._throwaway_forward([1] * num_seqs, [1] * num_seqs, [[b] for b in range(1, num_seqs + 1)],
                                 torch.zeros(num_seqs, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
-    def profile_run(self, max_tokens: int | None = None) -> None:
+    def profile_run(self, max_tokens: int | None = None, after_prefix: bool = True) -> None:
         """A forward pass at the largest batch the scheduler can form (or of ``max_tokens``), with a
-        throwaway pool, so the peak activation memory is known before the KV pool takes the rest."""
-        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.max_model_len,
-                         max_tokens or self.config.max_model_len)
-        num_blocks = -(-num_tokens // self.block_size)
+        throwaway pool, so the peak activation memory is known before the KV pool takes the rest.
+
+        The chunk is the last one of a ``max_model_len`` sequence (``after_prefix``): it comes after a
+        cached prefix of ``max_model_len`` minus the chunk, the costliest prefill attention the engine
+        can run (the torch backend gathers and repeats the whole context's K/V for it; a kernel that
+        reads the pool in place sizes its tiles and splits by the context). Without the prefix the
+        same tokens attend only to themselves, so this bounds that case too; a step of several chunks has
+        no more tokens, and the torch backend attends them one at a time, each over at most
+        ``max_model_len``. The throwaway pool holds
+        one ``max_model_len`` sequence, as ``profile_decode``'s does. ``after_prefix=False``: the chunk
+        alone (the CPU warm-up, which touches the activation memory and need not allocate that pool)."""
+        max_len = self.config.max_model_len
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, max_len, max_tokens or max_len)
+        seq_len = max_len if after_prefix else num_tokens
+        num_blocks = -(-seq_len // self.block_size)
         num_rows = min(self.config.scheduler.max_num_seqs, num_tokens)
-        logits = self._throwaway_forward([num_tokens], [num_tokens], [list(range(1, num_blocks + 1))],
-                                         torch.arange(num_tokens, device=self.device), num_rows)
+        logits = self._throwaway_forward([num_tokens], [seq_len], [list(range(1, num_blocks + 1))],
+                                         torch.arange(seq_len - num_tokens, seq_len, device=self.device), num_rows)
         if self.sampler is not None:
             self._profile_sampler(logits)
 

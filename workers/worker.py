@@ -15,6 +15,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 from workers.allocator import tune_malloc
+from workers.cuda_graphs import graph_memory_reserve
 from workers.kv_pool import HostKVTier
 from workers.model_runner import ModelRunner
 from workers.parallel_state import TPGroup
@@ -57,7 +58,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.host_tier: HostKVTier | None = None
         self._memory_at_start: tuple[int, int] | None = None  # CUDA (free, total) before loading
-        self.memory_profile: dict[str, int] = {}  # CUDA: what the KV budget took off, and the graphs' pool
+        # CUDA: what the KV budget took off (the graphs' share measured before), and what the graphs took
+        self.memory_profile: dict[str, int] = {}
 
     def init_device(self) -> None:
         if self.device.type == "cpu":
@@ -83,7 +85,8 @@ class Worker:
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank's pool can hold: from ``kv_cache_memory_bytes``, else on CUDA from
-        ``gpu_memory_utilization`` after a profiling forward, else the CPU default."""
+        ``gpu_memory_utilization`` after a profiling forward and, where CUDA graphs will be captured, a
+        capture over a throwaway pool (their memory is left out of the pool), else the CPU default."""
         cache = self.config.cache
         spec = self.runner.kv_spec
         if cache.kv_cache_memory_bytes is not None:
@@ -100,15 +103,20 @@ class Worker:
             # CUDA libraries' workspaces (measured after the profile, which created them)
             free_now, _ = torch.cuda.mem_get_info(self.device)
             outside_torch = max(0, total - free_now - used_by_others - torch.cuda.memory_reserved(self.device))
-            budget = int(total * cache.gpu_memory_utilization) - used_by_others - peak - outside_torch
+            graphs = self.runner.measure_graph_memory()  # None where no graphs will be captured
+            graphs_reserve = graph_memory_reserve(graphs) if graphs is not None else 0
+            budget = int(total * cache.gpu_memory_utilization) - used_by_others - peak - outside_torch - graphs_reserve
             self.memory_profile = {"used_by_others": used_by_others, "peak": peak, "outside_torch": outside_torch,
                                    "kv_budget": budget}
+            if graphs is not None:
+                self.memory_profile["cuda_graphs_reserved"] = graphs_reserve
             if budget < 2 * spec.bytes_per_block:
                 raise ValueError(
                     f"no memory left for the KV cache: {total / 2**30:.1f} GiB x gpu_memory_utilization "
                     f"{cache.gpu_memory_utilization} minus {used_by_others / 2**30:.1f} GiB used elsewhere "
                     f"minus a peak of {peak / 2**30:.1f} GiB for weights and activations minus "
                     f"{outside_torch / 2**30:.1f} GiB outside torch's allocator"
+                    + (f" minus {graphs_reserve / 2**30:.1f} GiB for CUDA graphs" if graphs is not None else "")
                 )
             return spec.num_blocks_for(budget)
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -122,9 +130,10 @@ class Worker:
         self.host_tier = HostKVTier(self.runner.kv_spec, num_host, self.device) if num_host else None
         if self.device.type == "cpu" and not self.runner.attention_backend.interpreted:
             self.runner.warm_up()  # (an interpreted backend is for tests: nothing to warm)
-        self.runner.capture_graphs()  # where they can run and enforce_eager=False (a log line says)
+        # where they can run and enforce_eager=False (a log line says), within what the KV budget left them
+        self.runner.capture_graphs(budget=self.memory_profile.get("cuda_graphs_reserved"))
         if self.runner.graphs is not None:
-            self.memory_profile["cuda_graphs"] = self.runner.graphs.pool_bytes
+            self.memory_profile["cuda_graphs"] = self.runner.graphs.memory_bytes
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if scheduler_output.kv_offloads or scheduler_output.kv_restores:
