@@ -83,7 +83,9 @@ class EngineCore:
         # ranks compute), so that other threads (stats, the router's hash report) read them whole
         self.lock = threading.RLock()
         # what start-up made (model, tokenizer, the pool's bookkeeping) lives as long as the engine:
-        # out of the collector's sight, the collections that steps trigger stay short
+        # out of the collector's sight, the collections that steps trigger stay short. A frozen
+        # reference cycle is never freed, so what start-up makes has none that holds the model (the
+        # parameters' loaders are weak: ``workers.weight_loader.WeakLoader``), and ``shutdown`` unfreezes
         gc.collect()
         gc.freeze()
 
@@ -405,3 +407,6 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_outputs.shutdown()
         self.executor.shutdown()
+        # back in the collector's sight: a cycle among this engine's objects is freed with them (the
+        # objects of another engine in this process are frozen again when the next one starts)
+        gc.unfreeze()

@@ -8,6 +8,7 @@ rows or columns of its own rank.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -77,6 +78,24 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint gives shape {tuple(src.shape)} where {tuple(dst.shape)} is expected")
     dst.copy_(src)
+
+
+class WeakLoader:
+    """A layer's loader method, held weakly: ``param.weight_loader = layer.weight_loader`` would make a
+    reference cycle (parameter -> bound method -> layer -> parameter), which only the cyclic collector
+    frees, and the engine freezes what start-up made out of its sight (``gc.freeze``): the weights of
+    an engine shut down (or of ranks rebuilt in its process) would never be freed."""
+
+    __slots__ = ("_method",)
+
+    def __init__(self, method) -> None:
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, param: nn.Parameter, weight: WeightSlice, shard_id: ShardId = None) -> None:
+        method = self._method()
+        if method is None:
+            raise RuntimeError("the layer that loads this parameter is gone")
+        method(param, weight, shard_id)
 
 
 def default_weight_loader(param: nn.Parameter, weight: WeightSlice, shard_id: ShardId = None) -> None:

@@ -13,6 +13,7 @@ transformer block needs one all-reduce per row-parallel layer and no gather.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,15 +21,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from workers.parallel_state import TPGroup
-from workers.weight_loader import ShardId, WeightSlice, copy_weight, default_weight_loader
+from workers.weight_loader import ShardId, WeakLoader, WeightSlice, copy_weight, default_weight_loader
 
 Loader = Callable[[nn.Parameter, WeightSlice, ShardId], None]
 
 
 def new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, loader: Loader) -> nn.Parameter:
-    """An uninitialised inference parameter loaded by ``loader``."""
+    """An uninitialised inference parameter loaded by ``loader`` (a layer's own method held weakly:
+    ``WeakLoader``, no reference cycle)."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-    param.weight_loader = loader
+    param.weight_loader = WeakLoader(loader) if inspect.ismethod(loader) else loader
     return param
 
 
