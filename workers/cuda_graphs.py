@@ -8,10 +8,10 @@ largest first, all in one memory pool. Where ``gpu_memory_utilization`` sizes th
 are captured once before, over a one-block throwaway pool, and released: the device memory they took
 (``memory_bytes``: the graphs' pool and what the driver holds for them, measured after the largest
 bucket's eager warm-up, whose activations the profile's peak already counts; and the static buffers)
-is taken off the KV budget, and the real capture must fit in it (``ModelRunner.capture_graphs``). Each graph runs the model over static buffers: a decode-only
-step of n sequences takes the smallest bucket of at least n, copies its token ids, positions, slots,
-lengths and block-table rows into the first n rows of the buffers, and reads the first n rows of the
-graph's output. The padding rows write nothing (slot -1: the KV store skips it) and attend to one key
+is taken off the KV budget, and the real capture must fit in it (``ModelRunner.capture_graphs``).
+Each graph runs the model over static buffers: a decode-only step of n sequences takes the smallest
+bucket of at least n, copies its token ids, positions, slots, lengths and block-table rows into the
+first n rows of the buffers, and reads the first n rows of the graph's output. The padding rows write nothing (slot -1: the KV store skips it) and attend to one key
 of a valid block (length 1; every id in the table is a valid block). The logits and the sampler run
 after the graph, eagerly, over the rows that sample.
 
