@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 extern "C" {
@@ -33,6 +34,16 @@ constexpr int64_t kColumnAlign = 64;    // columns per thread block are a multip
 constexpr int64_t kSplitMaxRows = 512;  // above this many rows BLAS's own threading is as good
 
 bool blas_available() { return sgemm_ != nullptr; }
+
+// Columns [n0, n1) of thread t of `threads` (threads <= n / kColumnAlign): the whole
+// kColumnAlign-column blocks shared out as evenly as they go, and the last thread also takes the
+// n mod kColumnAlign columns past the last whole block, so every column has exactly one owner.
+std::pair<int64_t, int64_t> split_columns(int64_t n, int64_t threads, int64_t t) {
+  const int64_t blocks = n / kColumnAlign;
+  const int64_t n0 = blocks * t / threads * kColumnAlign;
+  const int64_t n1 = t + 1 == threads ? n : blocks * (t + 1) / threads * kColumnAlign;
+  return {n0, n1};
+}
 
 // C[:, n0:n1] = A @ B[:, n0:n1] (+ C when beta = 1), row-major, as a column-major sgemm on transposes.
 void gemm_columns(const float* a, int64_t m, int64_t k, const float* b, int64_t n, float* c, int64_t n0, int64_t n1,
@@ -62,16 +73,16 @@ bool linear_split(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
     for (int64_t r = 0; r < m; ++r) std::copy(bp, bp + n, c + r * n);
     beta = 1.0f;
   }
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kColumnAlign));
+  const int64_t aligned = n / kColumnAlign;  // whole kColumnAlign-column blocks
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), aligned));
   if (threads == 1) {
     gemm_columns(a, m, k, b, n, c, 0, n, beta);
     return true;
   }
-  const int64_t per = (n / kColumnAlign + threads - 1) / threads * kColumnAlign;
   // inside the parallel region BLAS runs on the calling thread only (MKL does not nest its threads)
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * per, n1 = std::min(n, n0 + per);
+      const auto [n0, n1] = split_columns(n, threads, t);
       if (n0 < n1) gemm_columns(a, m, k, b, n, c, n0, n1, beta);
     }
   });

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import CascadeGroups, PagedAttentionMetadata, paged_attention, select_backend
+from kernels import CascadeGroups, PagedAttentionMetadata, paged_attention
 from kernels.reference import naive_causal_attention
+from tests.compiled import cpu_backend_or_skip
 from workers.cascade import plan_cascade
 
-CPU = select_backend("cpu", torch.device("cpu"))[0]
+CPU = cpu_backend_or_skip()
 
 
 class Pool:

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import apply_rotary_emb, fused_add_rms_norm, rms_norm
-from kernels.cpu import CpuAttentionBackend, load
 from kernels.reference import naive_rms_norm, naive_rotary
+from tests.compiled import cpu_backend_or_skip
 
-OPS = CpuAttentionBackend(load()).layer_ops
+OPS = cpu_backend_or_skip().layer_ops
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 

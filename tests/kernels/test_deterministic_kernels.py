@@ -10,10 +10,11 @@ import random
 import pytest
 import torch
 
-from kernels import PagedAttentionMetadata, paged_attention, select_backend
+from kernels import PagedAttentionMetadata, paged_attention
+from tests.compiled import cpu_backend_or_skip
 from workers.layers.kernels import _transposed_layout
 
-CPU = select_backend("cpu", torch.device("cpu"))[0]
+CPU = cpu_backend_or_skip()
 OPS = CPU.layer_ops
 
 # (in, out, bias) of every linear layer of the test checkpoints: tiny and small llama / qwen2 (qkv

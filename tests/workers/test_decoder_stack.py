@@ -9,14 +9,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import CascadeGroups, select_backend
+from kernels import CascadeGroups
+from tests.compiled import cpu_backend_or_skip
 from tests.workers.test_models import ARCHS, BLOCK_SIZE, NUM_BLOCKS, Checkpoint, Paging, checkpoint, load_model, max_diff
 from workers.layers.kernels import bind_cpu_kernels
 from workers.models import kv_cache_shape
 from workers.parallel_state import TPGroup
 
 __all__ = ["checkpoint"]  # the module-scoped checkpoint fixture
-CPU = select_backend("cpu", torch.device("cpu"))[0]
+CPU = cpu_backend_or_skip()
 STACKED = [name for name in ARCHS if not name.startswith("opt")]
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import select_backend
+from tests.compiled import cpu_backend_or_skip
 from tests.workers.test_models import ARCHS, Checkpoint, checkpoint, load_model, max_diff, run_scenario
 from workers.layers import kernels as layer_kernels
 from workers.layers.kernels import bind_cpu_kernels, linear_layout
@@ -17,7 +17,7 @@ from workers.layers.linear import ReplicatedLinear, RowParallelLinear, _ColumnSh
 from workers.parallel_state import TPGroup
 
 __all__ = ["checkpoint"]  # the module-scoped checkpoint fixture
-CPU = select_backend("cpu", torch.device("cpu"))[0]
+CPU = cpu_backend_or_skip()
 PANEL = CPU.layer_ops.panel_width
 
 
