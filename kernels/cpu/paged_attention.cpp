@@ -48,6 +48,9 @@ namespace {
 
 constexpr int kKeyTile = 32;  // keys per online-softmax update
 constexpr int kMaxRows = 64;  // query rows (tokens x heads of one KV head) per work item
+// The vector kernel keeps a row's accumulator in registers or on the stack, head_dim / W vectors of
+// it: head sizes above kMaxVectors * W (512 with AVX2's 8 lanes) take the scalar kernel instead.
+constexpr int kMaxVectors = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float to_float(float x) { return x; }
@@ -123,7 +126,7 @@ void accumulate_values(float* acc, int rows, int dv, const float* alpha, const f
   const int d = nv * W;
   int r = 0;
   for (; r + RB <= rows; r += RB) {
-    vf a[RB][DV > 0 ? DV : 64];
+    vf a[RB][DV > 0 ? DV : kMaxVectors];
     for (int b = 0; b < RB; ++b)
       for (int c = 0; c < nv; ++c) a[b][c] = vload(acc + (r + b) * d + c * W) * alpha[r + b];
     for (int j = 0; j < n; ++j) {
@@ -137,7 +140,7 @@ void accumulate_values(float* acc, int rows, int dv, const float* alpha, const f
       for (int c = 0; c < nv; ++c) vstore(acc + (r + b) * d + c * W, a[b][c]);
   }
   for (; r < rows; ++r) {
-    vf a[DV > 0 ? DV : 64];
+    vf a[DV > 0 ? DV : kMaxVectors];
     for (int c = 0; c < nv; ++c) a[c] = vload(acc + r * d + c * W) * alpha[r];
     for (int j = 0; j < n; ++j) {
       const float pj = prob[r * sr + j * sj];
@@ -150,7 +153,8 @@ void accumulate_values(float* acc, int rows, int dv, const float* alpha, const f
 // One work item: `num_tokens` query tokens (flat indices `tokens`, key limits `limits`) and the
 // query heads of KV head `kv_head` against keys [kv_begin, max limit) of block table `table`.
 // merge: start from out/lse of an earlier pass. write_lse: record the log-sum-exp.
-// DV: head_dim / W when fixed at compile time, else 0 (head_dim a multiple of W either way).
+// DV: head_dim / W when fixed at compile time, else 0 (head_dim a multiple of W either way, and at
+// most kMaxVectors * W).
 template <typename scalar_t, int DV>
 void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, const int32_t* limits, int num_tokens,
             const int32_t* table, int kv_begin, bool merge, bool write_lse, Scratch& sc) {
@@ -448,7 +452,7 @@ void run_pass(const Problem<scalar_t>& p, std::vector<Item>& items, const std::v
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
-  const bool vector_path = p.head_dim % W == 0;
+  const bool vector_path = p.head_dim % W == 0 && p.head_dim / W <= kMaxVectors;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     thread_local Scratch scratch;
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
@@ -490,6 +494,78 @@ void run_group_blas(const Problem<scalar_t>& p, std::vector<Item>& items, const 
   }
 }
 
+// Every index the step's metadata hands the kernels, checked before any thread reads or writes
+// through it (a bug upstream must fail the call with its reason, never read or write outside the
+// pool): the query ranges, the block ids each sequence and group reads (in [0, num_blocks)), the
+// rows of the tables, and the groups' membership (a sequence with a shared part is a member of
+// exactly one group, whose length is its kv_start; a sequence outside groups starts at 0).
+void check_step_metadata(int64_t num_blocks, int block_size, int64_t num_tokens, const at::Tensor& block_tables,
+                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
+                         const at::Tensor& group_block_tables, const at::Tensor& group_lens,
+                         const at::Tensor& group_member_start, const at::Tensor& group_members) {
+  const int64_t num_seqs = seq_lens.numel();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == num_tokens, "query_start_loc must span the ", num_tokens,
+              " query tokens");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) >= num_seqs, "block_tables needs a row for each of the ",
+              num_seqs, " sequences");
+  TORCH_CHECK(kv_starts.numel() == 0 || kv_starts.numel() == num_seqs, "kv_starts needs one entry per sequence");
+  const int32_t* starts = kv_starts.numel() ? kv_starts.data_ptr<int32_t>() : nullptr;
+  const int64_t table_width = block_tables.size(1);
+  const int32_t* tables = num_seqs ? block_tables.data_ptr<int32_t>() : nullptr;
+  auto check_blocks = [&](const int32_t* row, int64_t first, int64_t last, const char* what, int64_t index) {
+    for (int64_t b = first; b < last; ++b)
+      TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, what, " ", index, ": block ", row[b], " (entry ", b,
+                  " of its table) is outside the pool of ", num_blocks, " blocks");
+  };
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int q_len = qsl[s + 1] - qsl[s], first_pos = lens[s] - q_len, kv_begin = starts ? starts[s] : 0;
+    TORCH_CHECK(q_len >= 1 && first_pos >= 0, "sequence ", s, ": ", q_len, " query tokens do not fit its context of ",
+                lens[s]);
+    TORCH_CHECK(lens[s] <= table_width * block_size, "sequence ", s, ": its block table is too short for ", lens[s],
+                " tokens");
+    TORCH_CHECK(kv_begin >= 0 && kv_begin <= first_pos && kv_begin % block_size == 0,
+                "sequence ", s, ": a shared prefix must end on a block boundary before its queries");
+    check_blocks(tables + s * block_tables.stride(0), kv_begin / block_size, (lens[s] + block_size - 1) / block_size,
+                 "sequence", s);
+  }
+  const int64_t num_groups = group_lens.numel();
+  if (num_groups == 0) {
+    for (int64_t s = 0; starts && s < num_seqs; ++s)
+      TORCH_CHECK(starts[s] == 0, "sequence ", s, " has a shared part of ", starts[s], " tokens but no group");
+    return;
+  }
+  TORCH_CHECK(starts, "shared-prefix groups need kv_starts");
+  TORCH_CHECK(group_block_tables.dim() == 2 && group_block_tables.size(0) >= num_groups,
+              "group_block_tables needs a row for each of the ", num_groups, " groups");
+  TORCH_CHECK(group_member_start.numel() == num_groups + 1, "group_member_start needs num_groups + 1 entries");
+  const int32_t* glens = group_lens.data_ptr<int32_t>();
+  const int32_t* gstart = group_member_start.data_ptr<int32_t>();
+  const int32_t* members = group_members.numel() ? group_members.data_ptr<int32_t>() : nullptr;
+  const int32_t* gtables = group_block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(gstart[0] == 0 && gstart[num_groups] == group_members.numel(),
+              "group_member_start must span group_members");
+  std::vector<int64_t> group_of(num_seqs, -1);
+  for (int64_t gi = 0; gi < num_groups; ++gi) {
+    TORCH_CHECK(gstart[gi] <= gstart[gi + 1], "group_member_start must not decrease");
+    TORCH_CHECK(glens[gi] > 0 && glens[gi] <= group_block_tables.size(1) * block_size,
+                "group ", gi, ": its block table is too short for ", glens[gi], " tokens");
+    check_blocks(gtables + gi * group_block_tables.stride(0), 0, (glens[gi] + block_size - 1) / block_size, "group",
+                 gi);
+    for (int mi = gstart[gi]; mi < gstart[gi + 1]; ++mi) {
+      const int s = members[mi];
+      TORCH_CHECK(s >= 0 && s < num_seqs && starts[s] == glens[gi],
+                  "group ", gi, ": member ", s, " must be a sequence whose kv_start is the group's length");
+      TORCH_CHECK(group_of[s] < 0, "sequence ", s, " is a member of groups ", group_of[s], " and ", gi);
+      group_of[s] = gi;
+    }
+  }
+  for (int64_t s = 0; s < num_seqs; ++s)
+    TORCH_CHECK(starts[s] == 0 || group_of[s] >= 0, "sequence ", s, " has a shared part of ", starts[s],
+                " tokens but no group");
+}
+
 template <typename scalar_t, int DV>
 void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_tables,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -497,24 +573,11 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
                           const at::Tensor& group_lens, const at::Tensor& group_member_start,
                           const at::Tensor& group_members) {
   const int num_seqs = static_cast<int>(seq_lens.size(0));
-  const int num_tokens = static_cast<int>(p.num_tokens);
-  const int64_t table_width = block_tables.size(1);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = kv_starts.numel() ? kv_starts.data_ptr<int32_t>() : nullptr;
   const int g = p.group_size;
   const int tokens_per_item = std::max(1, kMaxRows / g);
-  // metadata is checked before anything runs: a bad table must fail the call, not read out of bounds
-  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == num_tokens, "query_start_loc must span the query tokens");
-  for (int s = 0; s < num_seqs; ++s) {
-    const int q_len = qsl[s + 1] - qsl[s], first_pos = lens[s] - q_len, kv_begin = starts ? starts[s] : 0;
-    TORCH_CHECK(q_len >= 1 && first_pos >= 0, "sequence ", s, ": ", q_len, " query tokens do not fit its context of ",
-                lens[s]);
-    TORCH_CHECK(lens[s] <= table_width * p.block_size, "sequence ", s, ": its block table is too short for ", lens[s],
-                " tokens");
-    TORCH_CHECK(kv_begin >= 0 && kv_begin <= first_pos && kv_begin % p.block_size == 0,
-                "sequence ", s, ": a shared prefix must end on a block boundary before its queries");
-  }
 
   // group pass: every member's query tokens against the shared keys, all visible
   const int num_groups = static_cast<int>(group_lens.numel());
@@ -526,18 +589,10 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
     std::vector<Item> items, blas_items;
     // large groups (every key visible to every row: two matrix products) through BLAS
     const bool blas = std::is_same_v<scalar_t, float> && !p.fixed_order && group_blas_available();
-    TORCH_CHECK(group_member_start.numel() == num_groups + 1 && gstart[0] == 0 &&
-                    gstart[num_groups] == group_members.numel(),
-                "group_member_start must span group_members");
     for (int gi = 0; gi < num_groups; ++gi) {
-      TORCH_CHECK(gstart[gi] <= gstart[gi + 1], "group_member_start must not decrease");
-      TORCH_CHECK(glens[gi] > 0 && glens[gi] <= group_block_tables.size(1) * p.block_size,
-                  "group ", gi, ": its block table is too short for ", glens[gi], " tokens");
       const int begin = static_cast<int>(tokens.size());
       for (int mi = gstart[gi]; mi < gstart[gi + 1]; ++mi) {
         const int s = members[mi];
-        TORCH_CHECK(s >= 0 && s < num_seqs && starts && starts[s] == glens[gi],
-                    "group ", gi, ": member ", s, " must be a sequence whose kv_start is the group's length");
         for (int t = qsl[s]; t < qsl[s + 1]; ++t) {
           tokens.push_back(t);
           limits.push_back(glens[gi]);
@@ -603,7 +658,6 @@ void store_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   scalar_t* vp = v_pool.data_ptr<scalar_t>();
   const int64_t slot_stride = kv_heads * d;
   for (int64_t t = 0; t < tokens; ++t) {
-    if (slots[t] < 0) continue;
     for (int64_t h = 0; h < kv_heads; ++h) {
       std::memcpy(kp + slots[t] * slot_stride + h * d, k + t * key.stride(0) + h * key.stride(1), d * sizeof(scalar_t));
       std::memcpy(vp + slots[t] * slot_stride + h * d, v + t * value.stride(0) + h * value.stride(1),
@@ -616,31 +670,38 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [tokens, kv_heads, head_dim]");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value need a contiguous last axis");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "the KV pools must be contiguous");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "the KV pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_pool.size(2) == key.size(1) && k_pool.size(3) == key.size(2), "key does not match the pool");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0),
-              "slot_mapping must be int64 with one slot per token");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0),
+              "slot_mapping must be contiguous int64 with one slot per token");
   TORCH_CHECK(key.scalar_type() == k_pool.scalar_type() && value.scalar_type() == v_pool.scalar_type(),
               "K/V and the pools must share a dtype");
+  TORCH_CHECK(v_pool.sizes() == k_pool.sizes(), "the K and V pools must have one shape");
+  // every slot checked before any is written: a bad slot fails the call and leaves the pool as it was
+  const int64_t num_slots = k_pool.size(0) * k_pool.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
+                " is outside the pool's ", num_slots, " slots");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "kvserve_store_kv", [&] {
     store_kv_impl<scalar_t>(key, value, k_pool, v_pool, slot_mapping);
   });
 }
 
-void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
+// Everything the attention pass reads through, checked before the step's K/V are stored: a call that
+// fails leaves the pool as it was.
+void check_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& kv_starts, const at::Tensor& group_block_tables,
-                     const at::Tensor& group_lens, const at::Tensor& group_member_start,
-                     const at::Tensor& group_members, double scale, bool fixed_order) {
+                     const at::Tensor& kv_starts, const at::Tensor& group_block_tables, const at::Tensor& group_lens,
+                     const at::Tensor& group_member_start, const at::Tensor& group_members) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim], last axis contiguous");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), "out must be a contiguous tensor shaped as query");
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes(),
               "the KV pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(query.scalar_type() == k_pool.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, out and the pools must share a dtype");
+  TORCH_CHECK(query.scalar_type() == k_pool.scalar_type(), "query and the pools must share a dtype");
   TORCH_CHECK(query.size(2) == k_pool.size(3), "query and pool head_dim differ");
   TORCH_CHECK(query.size(1) % k_pool.size(2) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(query.size(2) <= 1024, "head_dim above 1024 is not supported");
   check_int32(block_tables, "block_tables");
   check_int32(query_start_loc, "query_start_loc");
   check_int32(seq_lens, "seq_lens");
@@ -650,7 +711,16 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
   check_int32(group_member_start, "group_member_start");
   check_int32(group_members, "group_members");
   TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1, "query_start_loc needs num_seqs + 1 entries");
+  check_step_metadata(k_pool.size(0), static_cast<int>(k_pool.size(1)), query.size(0), block_tables, query_start_loc,
+                      seq_lens, kv_starts, group_block_tables, group_lens, group_member_start, group_members);
+}
 
+// Attention of `query` over the pool into `out` (its inputs passed check_attention).
+void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                         const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         const at::Tensor& kv_starts, const at::Tensor& group_block_tables,
+                         const at::Tensor& group_lens, const at::Tensor& group_member_start,
+                         const at::Tensor& group_members, double scale, bool fixed_order) {
   const int64_t tokens = query.size(0), heads = query.size(1);
   at::Tensor lse;
   if (group_lens.numel()) lse = at::empty({tokens, heads}, query.options().dtype(at::kFloat));
@@ -701,6 +771,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                            const at::Tensor& group_member_start, const at::Tensor& group_members, double scale,
                            bool fixed_order) {
+  check_attention(query, k_pool, v_pool, block_tables, query_start_loc, seq_lens, kv_starts, group_block_tables,
+                  group_lens, group_member_start, group_members);
   store_kv(key, value, k_pool, v_pool, slot_mapping);
   at::Tensor out = at::empty(query.sizes(), query.options());
   paged_attention_out(out, query, k_pool, v_pool, block_tables, query_start_loc, seq_lens, kv_starts,
