@@ -12,6 +12,7 @@
 #include "ops.h"
 #include "vec.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -230,7 +231,17 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
   });
 }
 
+// How many threads a parallel region of these kernels runs (at::parallel_for is inlined here from
+// torch's headers): torch.get_num_threads() when the library runs on torch's OpenMP runtime, which is
+// what lets torch.set_num_threads reach the kernels (see kernels/cpu/build.py).
+int64_t parallel_threads() {
+  std::atomic<int64_t> chunks{0};
+  at::parallel_for(0, int64_t{1} << 20, 1, [&](int64_t, int64_t) { chunks.fetch_add(1); });
+  return chunks.load();
+}
+
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def("parallel_threads() -> int", &parallel_threads);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");

@@ -52,13 +52,21 @@ inline vi iota() {
   for (int i = 0; i < W; ++i) v[i] = i;
   return v;
 }
+// Lanes of a and b picked by constant indices (0 .. W - 1: a's, W .. 2W - 1: b's). GCC has
+// __builtin_shufflevector from version 12 only; older GCC (11 on Ubuntu 22.04 and RHEL 9) has
+// __builtin_shuffle, which takes the indices as a vector.
+#if defined(__clang__) || __GNUC__ >= 12
+#define KVSERVE_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define KVSERVE_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#endif
 // W vectors in, one out: lane j holds the sum of v[j]'s lanes. Levels of pairing (adjacent lanes,
 // then pairs, quads, ...) keep every vector full: W - 1 shuffle pairs and adds instead of a
 // horizontal sum per vector.
 #if defined(__AVX512F__)
 inline vf pair_sum(vf a, vf b) {
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return KVSERVE_SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         KVSERVE_SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 inline vf transpose_sum(const vf* v) {
   vf a[8], b[4], c[2];
@@ -69,7 +77,7 @@ inline vf transpose_sum(const vf* v) {
 }
 #else
 inline vf pair_sum(vf a, vf b) {
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+  return KVSERVE_SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + KVSERVE_SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 inline vf transpose_sum(const vf* v) {
   vf a[4], b[2];
