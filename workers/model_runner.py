@@ -64,9 +64,17 @@ class ModelRunner:
         self.sampler = Sampler(device, config.seed, argmax) if tp.is_first_rank else None
         self.eos_token_ids = tuple(config.model.eos_token_ids)
         self.graphs: DecodeGraphs | None = None  # decode-only steps through CUDA graphs (``capture_graphs``)
+        if self.attention_backend.name == "triton":  # its split-KV scratch, allocated before the memory profile
+            from kernels.triton.warmup import prepare_runner
+
+            prepare_runner(self)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_pool(self.kv_spec, num_blocks, self.device, prefault=True)
+        if self.device.type == "cuda" and self.attention_backend.name == "triton":
+            from kernels.triton.warmup import warm_up_runner
+
+            warm_up_runner(self)  # every Triton kernel variant this configuration can launch, compiled now
 
     def graphs_unavailable(self) -> str | None:
         """Why decode steps cannot run through CUDA graphs here, or None."""

@@ -6,6 +6,7 @@ ignored (the result is the same)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -40,12 +41,32 @@ class _Launch:
         self.block_q, self.num_splits = block_q, num_splits
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What an engine's configuration fixes about its attention launches (one tensor-parallel rank):
+    the variants it can compile (``kernels.triton.warmup``) and the split-KV scratch it needs."""
+
+    dtype: torch.dtype
+    num_heads: int  # query heads of this rank
+    kv_heads: int  # KV heads of this rank
+    head_dim: int
+    block_size: int
+    max_decodes: int  # the most decode rows one step holds (max_num_seqs, within the token budget)
+    max_model_len: int
+    deterministic: bool = False
+
+
 class TritonAttentionBackend:
     """Under ``meta.deterministic`` (``deterministic=True``) a query row's result does not depend on
     the batch: every launch takes the same tile of query rows (decodes and prefill chunks alike, so a
     token is computed the same way in a chunk of any length), the keys are not split (one program
     walks a row's key tiles in order; the key tiles past a row's position add exact zeros), and the
-    linear layers run ``kernels.triton.linear`` (fixed tiles, no split of the inner dimension)."""
+    linear layers run ``kernels.triton.linear`` (fixed tiles, no split of the inner dimension).
+
+    Split counts are powers of two up to ``max_splits`` (each count is its own compiled variant),
+    and a launch's splits times its tokens never pass the rows of the split-KV scratch: one buffer
+    for every launch, allocated once (``prepare``, before the engine's memory profile, for
+    ``max_decodes x max_splits`` rows; else at the first split launch for ``default_scratch_rows``)."""
 
     name = "triton"
     supports_cascade = False
@@ -61,7 +82,8 @@ class TritonAttentionBackend:
     fused_ops = TritonLayerOps()
 
     def __init__(self, block_n: int = 32, decode_rows: int = 16, prefill_rows: int = 64,
-                 target_programs: int | None = None, min_split_tiles: int = 4, max_splits: int = 32) -> None:
+                 target_programs: int | None = None, min_split_tiles: int = 4, max_splits: int = 32,
+                 default_scratch_rows: int = 2048) -> None:
         """``block_n`` keys per tile; ``decode_rows`` / ``prefill_rows`` query rows (tokens x grouped
         heads) per program; the keys of a launch are split when it has fewer than ``target_programs``
         programs (default: twice the multiprocessors of the current CUDA device, else 8), each split
@@ -72,40 +94,93 @@ class TritonAttentionBackend:
             if torch.cuda.is_available():
                 props = torch.cuda.get_device_properties(torch.cuda.current_device())
                 target_programs = 2 * props.multi_processor_count
+        if max_splits < 1 or max_splits & (max_splits - 1):
+            raise ValueError(f"max_splits must be a power of two, not {max_splits}")
         self.target_programs, self.min_split_tiles, self.max_splits = target_programs, min_split_tiles, max_splits
+        self.default_scratch_rows = default_scratch_rows
+        self.shape: AttentionShape | None = None  # what ``prepare`` was told
+        self.scratch: ops.SplitScratch | None = None
         self.last_plan: list[_Launch] = []  # the latest step's launches (for inspection)
 
-    def num_splits(self, num_tiles: int, kv_heads: int, longest: int) -> int:
-        """How many parts to cut each tile's keys into for a launch of ``num_tiles`` tiles."""
+    # --- set-up ---------------------------------------------------------------------------------------
+
+    def prepare(self, shape: AttentionShape, device: torch.device) -> None:
+        """Allocate the split-KV scratch for ``shape`` on ``device`` (its most decodes, every split):
+        called before the engine's memory profile, whose peak then counts it."""
+        self.shape = shape
+        self.scratch = ops.SplitScratch(max(1, shape.max_decodes) * self.max_splits, shape.num_heads,
+                                        shape.head_dim, device)
+
+    def _scratch(self, query: torch.Tensor) -> ops.SplitScratch:
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        if self.scratch is None or not self.scratch.fits(num_heads, head_dim, query.device):
+            self.scratch = ops.SplitScratch(self.default_scratch_rows, num_heads, head_dim, query.device)
+        return self.scratch
+
+    def compile_variants(self, forward=None) -> dict:
+        """Compile every kernel variant the prepared configuration can launch (``kernels.triton.warmup``):
+        ``forward`` (one small forward of the model) compiles the layer ops at the model's widths."""
+        from kernels.triton.warmup import compile_variants
+
+        if self.shape is None:
+            raise RuntimeError("compile_variants needs prepare(shape, device) first")
+        return compile_variants(self, self.shape, forward)
+
+    # --- planning ---------------------------------------------------------------------------------------
+
+    def block_q(self, decodes: bool, group: int, deterministic: bool, head_dim: int) -> int:
+        """Query tokens per tile of a launch of the step's decodes (else of its prefill chunks). A
+        prefill tile holds ``prefill_rows`` query rows, at most 8192 values with the head padded
+        (32 rows at head size 256: 64 rows of float32 took 9-14 s to compile for one variant and
+        would hold a 64 KiB accumulator per program)."""
+        group_p2 = 1 << max(0, group - 1).bit_length()
+        if decodes or deterministic:
+            return max(1, 16 // group_p2)  # one token per decode: the smallest tile tl.dot takes
+        head_p2 = max(16, 1 << max(0, head_dim - 1).bit_length())
+        rows = max(16, min(self.prefill_rows, 8192 // head_p2))
+        return max(1, rows // group_p2)
+
+    def num_splits(self, num_tiles: int, kv_heads: int, longest: int, num_tokens: int = 1) -> int:
+        """How many parts to cut each tile's keys into for a launch of ``num_tiles`` tiles: the
+        largest power of two at most what fills ``target_programs``, what leaves each part
+        ``min_split_tiles`` key tiles of the ``longest`` context, ``max_splits``, and what the
+        scratch holds for ``num_tokens`` tokens."""
         programs = num_tiles * kv_heads
         key_tiles = -(-longest // self.block_n)
         wanted = -(-self.target_programs // max(programs, 1))
-        return max(1, min(wanted, key_tiles // self.min_split_tiles, self.max_splits))
+        rows = self.scratch.rows if self.scratch is not None else self.default_scratch_rows
+        most = max(1, min(wanted, key_tiles // self.min_split_tiles, self.max_splits, rows // max(1, num_tokens)))
+        return 1 << (most.bit_length() - 1)
 
-    def plan(self, meta: PagedAttentionMetadata, num_heads: int, kv_heads: int) -> list[_Launch]:
+    def split_counts(self, kv_heads: int, max_model_len: int) -> list[int]:
+        """Every split count ``num_splits`` can answer for launches over contexts up to ``max_model_len``
+        (any launch of one tile and one token reaches the largest; a shorter longest context, each
+        smaller power of two)."""
+        top = self.num_splits(1, kv_heads, max_model_len, 1)
+        return [1 << i for i in range(top.bit_length())]
+
+    def plan(self, meta: PagedAttentionMetadata, num_heads: int, kv_heads: int, head_dim: int = 128) -> list[_Launch]:
         """The step's launches, built once per step and kept on the metadata (``backend_plan``: the
         layers share the metadata, and a CUDA graph captured over it replays the plan's tensors); the
         plan's copy of the lengths notices a metadata object refilled for another step."""
-        key = (self.block_n, num_heads, kv_heads, meta.num_decodes, meta.query_lens, meta.context_lens,
+        key = (self.block_n, num_heads, kv_heads, head_dim, meta.num_decodes, meta.query_lens, meta.context_lens,
                meta.deterministic)
         cached = meta.backend_plan
         if cached is not None and cached[0] == key:
             self.last_plan = cached[1]
             return cached[1]
-        group_p2 = 1 << max(0, (num_heads // kv_heads) - 1).bit_length()
         launches = []
         nd, n = meta.num_decodes, meta.num_seqs
-        for seqs, rows in ((range(0, nd), self.decode_rows), (range(nd, n), self.prefill_rows)):
+        for seqs in (range(nd), range(nd, n)):
             if not len(seqs):
                 continue
-            block_q = max(1, rows // group_p2)
-            if (seqs.start == 0 and seqs.stop == nd) or meta.deterministic:
-                block_q = max(1, 16 // group_p2)  # one token per decode: the smallest tile tl.dot takes
+            block_q = self.block_q(seqs.stop == nd, num_heads // kv_heads, meta.deterministic, head_dim)
             num_tiles = sum(-(-meta.query_lens[s] // block_q) for s in seqs)
+            num_tokens = sum(meta.query_lens[s] for s in seqs)
             splits = 1 if meta.deterministic else self.num_splits(
-                num_tiles, kv_heads, max(meta.context_lens[s] for s in seqs))
+                num_tiles, kv_heads, max(meta.context_lens[s] for s in seqs), num_tokens)
             launches.append(_Launch(seqs, meta, block_q, splits))
-        meta.backend_plan = ((self.block_n, num_heads, kv_heads, meta.num_decodes, list(meta.query_lens),
+        meta.backend_plan = ((self.block_n, num_heads, kv_heads, head_dim, meta.num_decodes, list(meta.query_lens),
                               list(meta.context_lens), meta.deterministic), launches)
         self.last_plan = launches
         return launches
@@ -118,10 +193,12 @@ class TritonAttentionBackend:
                              f"of {k_pool.dtype} (the heads must divide and the dtypes agree)")
         ops.store_kv(key, value, k_pool, v_pool, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        for launch in self.plan(meta, num_heads, kv_heads):
+        scratch = self._scratch(query)
+        for launch in self.plan(meta, num_heads, kv_heads, query.shape[2]):
             ops.paged_attention_launch(
                 query, k_pool, v_pool, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 launch.tile_seq, launch.tile_q, launch.token_begin, launch.num_tokens, scale,
                 launch.block_q, self.block_n, launch.num_splits, use_dot=not (meta.deterministic and ops.INTERPRETED),
+                scratch=scratch,
             )
         return out

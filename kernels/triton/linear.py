@@ -17,14 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.ops import INTERPRETED
+from kernels.triton.ops import INTERPRETED, _launch
 
 # one tiling for every launch; the interpreter (tests on CPU) takes wider tiles: fewer programs and
 # steps, each of which it runs op by op in Python (any fixed tiling is batch-invariant alike)
 BLOCK_M, BLOCK_N, BLOCK_K = (32, 256, 64) if INTERPRETED else (32, 64, 32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the rows change from step to step
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
@@ -69,10 +69,9 @@ def linear_batch_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if m and n:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-        _linear_kernel[grid](
+        _launch(_linear_kernel, grid, (
             rows, weight, weight if bias is None else bias, out, m, n, k,
             rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=precision,
-            USE_DOT=not INTERPRETED,
-        )
+        ), dict(HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=precision,
+                USE_DOT=not INTERPRETED))
     return out.view(*x.shape[:-1], n)

@@ -28,20 +28,42 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _LOG2E = 1.4426950408889634
 
+# Triton compiles one variant per distinct specialisation of a kernel's arguments: every integer
+# equal to 1 or divisible by 16, and every pointer's 16-byte alignment, is part of the variant. The
+# values that change from step to step (the block table's width, a launch's first token) and the
+# arguments that come from views of the model's tensors (strides of the fused qkv output, the
+# step's inputs at any offset of one staging buffer) are not specialised, so that the variants an
+# engine launches are fixed by its configuration alone (``kernels.triton.warmup`` compiles them all
+# at start). The pool's, the output's and the norms' strides stay specialised: they are fixed by
+# the configuration, and their divisibility lets the compiler vectorise the loads.
+_ATTENTION_DNS = ["stride_qt", "stride_qh", "stride_bt", "token_begin"]
+_ATTENTION_DNA = ["q_ptr", "tile_seq_ptr", "tile_q_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr"]
 
-@triton.jit
+# Launch hooks (``kernels.triton.warmup``): each is called as ``hook(kernel, grid, args, constexprs)``
+# before a launch and may answer False to skip the launch (a dry run that only records).
+LAUNCH_HOOKS: list = []
+
+
+def _launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
+    run = True
+    for hook in LAUNCH_HOOKS:
+        if hook(kernel, grid, args, constexprs) is False:
+            run = False
+    if run:
+        kernel[grid](*args, **constexprs)
+
+
+@triton.jit(do_not_specialize=_ATTENTION_DNS, do_not_specialize_on_alignment=_ATTENTION_DNA)
 def _paged_attention_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, out_ptr, part_ptr, part_m_ptr, part_l_ptr,
     tile_seq_ptr, tile_q_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
     sm_scale_log2,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh,
-    stride_ps, stride_pt, stride_ph,
-    stride_ms, stride_mt,
     stride_bt,
-    num_heads,
+    num_heads, token_begin,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -69,7 +91,7 @@ def _paged_attention_kernel(
     dim_ok = dims < HEAD_DIM
 
     token = (q_begin + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd,
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
     # keys this tile needs: up to the last query's position (causal), split in NUM_SPLITS parts
@@ -92,9 +114,9 @@ def _paged_attention_kernel(
         within = (pos % BLOCK_SIZE).to(tl.int64)
         kv_ok = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_pool_ptr + block[:, None] * stride_kb + within[:, None] * stride_ks + kv_head * stride_kh
-                    + dims[None, :] * stride_kd, mask=kv_ok, other=0.0)
+                    + dims[None, :], mask=kv_ok, other=0.0)
         v = tl.load(v_pool_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
-                    + dims[None, :] * stride_vd, mask=kv_ok, other=0.0)
+                    + dims[None, :], mask=kv_ok, other=0.0)
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N], log2 units
         else:  # (see paged_attention_launch's use_dot)
@@ -117,40 +139,42 @@ def _paged_attention_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(part_ptr + split64 * stride_ps + token[:, None] * stride_pt + head[:, None] * stride_ph + dims[None, :],
-                 acc, mask=out_mask)
-        tl.store(part_m_ptr + split64 * stride_ms + token * stride_mt + head, m_i, mask=row_ok)
-        tl.store(part_l_ptr + split64 * stride_ms + token * stride_mt + head, l_i, mask=row_ok)
+    else:  # the scratch, [launch token, split, head(, HEAD_P2)] from the launch's first token
+        part_row = ((token - token_begin) * NUM_SPLITS + split64) * num_heads + head
+        tl.store(part_ptr + part_row[:, None] * HEAD_P2 + dims[None, :], acc, mask=out_mask)
+        tl.store(part_m_ptr + part_row, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part_row, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["token_begin"])
 def _merge_splits_kernel(
-    out_ptr, part_ptr, part_m_ptr, part_l_ptr, token_begin,
-    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt,
+    out_ptr, part_ptr, part_m_ptr, part_l_ptr, token_begin, stride_ot, stride_oh, num_heads,
     NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr,
 ):
-    token = (token_begin + tl.program_id(0)).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)  # the launch's row-th token
+    token = token_begin + row
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2).to(tl.int64)
     ok = splits < NUM_SPLITS
-    m = tl.load(part_m_ptr + splits * stride_ms + token * stride_mt + head, mask=ok, other=float("-inf"))
-    l = tl.load(part_l_ptr + splits * stride_ms + token * stride_mt + head, mask=ok, other=0.0)
+    part_row = (row * NUM_SPLITS + splits) * num_heads + head
+    m = tl.load(part_m_ptr + part_row, mask=ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part_row, mask=ok, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # empty splits weigh nothing
     dims = tl.arange(0, HEAD_P2)
-    acc = tl.load(part_ptr + splits[:, None] * stride_ps + token * stride_pt + head * stride_ph + dims[None, :],
+    acc = tl.load(part_ptr + part_row[:, None] * HEAD_P2 + dims[None, :],
                   mask=ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_kt", "stride_kh", "stride_vt", "stride_vh"],
+            do_not_specialize_on_alignment=["key_ptr", "value_ptr", "slot_ptr"])
 def _store_kv_kernel(
     key_ptr, value_ptr, k_pool_ptr, v_pool_ptr, slot_ptr, block_size, kv_heads,
-    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-    stride_pkb, stride_pks, stride_pkh, stride_pkd, stride_pvb, stride_pvs, stride_pvh, stride_pvd,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_pkb, stride_pks, stride_pkh, stride_pvb, stride_pvs, stride_pvh,
     HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr, HEADS_P2: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -161,12 +185,12 @@ def _store_kv_kernel(
     dims = tl.arange(0, HEAD_P2)
     slots = tl.zeros([HEADS_P2, HEAD_P2], tl.int64) + slot  # a tensor: the interpreter cannot mask by a scalar
     mask = (heads[:, None] < kv_heads) & (dims[None, :] < HEAD_DIM) & (slots >= 0)
-    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=mask)
-    tl.store(k_pool_ptr + block * stride_pkb + within * stride_pks + heads[:, None] * stride_pkh
-             + dims[None, :] * stride_pkd, k, mask=mask)
-    tl.store(v_pool_ptr + block * stride_pvb + within * stride_pvs + heads[:, None] * stride_pvh
-             + dims[None, :] * stride_pvd, v, mask=mask)
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(k_pool_ptr + block * stride_pkb + within * stride_pks + heads[:, None] * stride_pkh + dims[None, :],
+             k, mask=mask)
+    tl.store(v_pool_ptr + block * stride_pvb + within * stride_pvs + heads[:, None] * stride_pvh + dims[None, :],
+             v, mask=mask)
 
 
 @triton.jit
@@ -201,7 +225,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _rotary_neox_kernel(
     positions_ptr, q_ptr, k_ptr, cache_ptr, stride_q, stride_k, stride_cache, num_q_heads, num_k_heads,
     head_dim, HALF: tl.constexpr, HALF_P2: tl.constexpr,
@@ -231,16 +255,23 @@ def _p2(n: int, at_least: int = 1) -> int:
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` ([tokens, kv_heads, d], any strides) into their slots; slots < 0 are skipped."""
+    """Write ``key``/``value`` ([tokens, kv_heads, d], contiguous last axis, any other strides) into
+    their slots of the pools ([blocks, block_size, kv_heads, d], contiguous); slots < 0 are skipped."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
     _, block_size, kv_heads, head_dim = k_pool.shape
-    _store_kv_kernel[(num_tokens,)](
+    _check_last_axis(key=key, value=value, k_pool=k_pool, v_pool=v_pool)
+    _launch(_store_kv_kernel, (num_tokens,), (
         key, value, k_pool, v_pool, slot_mapping, block_size, kv_heads,
-        *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
-        HEAD_DIM=head_dim, HEAD_P2=_p2(head_dim), HEADS_P2=_p2(kv_heads),
-    )
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3],
+    ), dict(HEAD_DIM=head_dim, HEAD_P2=_p2(head_dim), HEADS_P2=_p2(kv_heads)))
+
+
+def _check_last_axis(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton attention: {name} needs a contiguous last axis (strides {tuple(t.stride())})")
 
 
 def attention_tiles(seqs: range, query_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
@@ -253,49 +284,73 @@ def attention_tiles(seqs: range, query_lens: list[int], block_q: int) -> tuple[l
     return tile_seq, tile_q
 
 
+class SplitScratch:
+    """The split-KV partial results of one launch: ``rows`` (launch token, split) pairs of every
+    query head, float32 (the partial outputs padded to ``head_p2``, their running max and sum). One
+    is allocated by the attention backend and reused by every launch (``TritonAttentionBackend``)."""
+
+    def __init__(self, rows: int, num_heads: int, head_dim: int, device: torch.device | str) -> None:
+        self.rows, self.num_heads, self.head_p2 = rows, num_heads, _p2(head_dim, 16)
+        self.part = torch.empty(rows * num_heads * self.head_p2, dtype=torch.float32, device=device)
+        self.part_m = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+        self.part_l = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.part.nbytes + self.part_m.nbytes + self.part_l.nbytes
+
+    def fits(self, num_heads: int, head_dim: int, device: torch.device) -> bool:
+        return (num_heads, _p2(head_dim, 16)) == (self.num_heads, self.head_p2) and self.part.device == device
+
+
 def paged_attention_launch(
     query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     tile_seq: torch.Tensor, tile_q: torch.Tensor, token_begin: int, num_tokens: int,
     scale: float, block_q: int, block_n: int, num_splits: int, use_dot: bool = True,
+    scratch: SplitScratch | None = None,
 ) -> None:
     """Attend the tiles (``tile_seq``, ``tile_q``) of one launch, writing ``out`` rows
-    [token_begin, token_begin + num_tokens); ``num_splits`` > 1 splits each tile's keys and merges.
-    ``use_dot=False`` takes the products as multiplies and sums instead of ``tl.dot``: under the
-    interpreter ``tl.dot`` is numpy's BLAS, whose result for a query row depends on the row's place
-    in the tile, which batch-invariant attention (``deterministic``) cannot have."""
+    [token_begin, token_begin + num_tokens); ``num_splits`` > 1 splits each tile's keys and merges
+    through ``scratch`` (which must hold ``num_splits * num_tokens`` rows; one of this launch's size
+    is allocated when it is None). ``use_dot=False`` takes the products as multiplies and sums
+    instead of ``tl.dot``: under the interpreter ``tl.dot`` is numpy's BLAS, whose result for a query
+    row depends on the row's place in the tile, which batch-invariant attention (``deterministic``)
+    cannot have (and which misreads bfloat16, so bfloat16 takes the sums there too)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_pool.shape[2]
     group = num_heads // kv_heads
     head_p2 = _p2(head_dim, 16)  # tl.dot takes operands of 16 or more along every axis
+    _check_last_axis(query=query, k_pool=k_pool, v_pool=v_pool, out=out)
     if num_splits > 1:
-        part = torch.empty(num_splits, out.shape[0], num_heads, head_p2, dtype=torch.float32, device=out.device)
-        part_m = torch.empty(num_splits, out.shape[0], num_heads, dtype=torch.float32, device=out.device)
-        part_l = torch.empty_like(part_m)
+        if scratch is None:
+            scratch = SplitScratch(num_splits * num_tokens, num_heads, head_dim, out.device)
+        if scratch.rows < num_splits * num_tokens or not scratch.fits(num_heads, head_dim, out.device):
+            raise ValueError(f"split-KV scratch of {scratch.rows} rows x {scratch.num_heads} heads x {scratch.head_p2} "
+                             f"for {num_splits} splits of {num_tokens} tokens x {num_heads} heads x {head_dim}")
+        part, part_m, part_l = scratch.part, scratch.part_m, scratch.part_l
     else:
         part = part_m = part_l = out  # unused
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    if INTERPRETED and query.dtype == torch.bfloat16:
+        use_dot = False  # the interpreter's tl.dot misreads bfloat16 operands (numpy has none); the sums do not
     grid = (tile_seq.numel(), kv_heads, num_splits)
-    _paged_attention_kernel[grid](
+    _launch(_paged_attention_kernel, grid, (
         query, k_pool, v_pool, out, part, part_m, part_l,
         tile_seq, tile_q, query_start_loc, seq_lens, block_tables,
         scale * _LOG2E,
-        *query.stride(), *k_pool.stride(), *v_pool.stride(),
+        query.stride(0), query.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3],
         out.stride(0), out.stride(1),
-        part.stride(0), part.stride(1), part.stride(2),
-        part_m.stride(0), part_m.stride(1),
         block_tables.stride(0),
-        num_heads,
+        num_heads, token_begin,
+    ), dict(
         BLOCK_SIZE=k_pool.shape[1], HEAD_DIM=head_dim, HEAD_P2=head_p2, GROUP=group, GROUP_P2=_p2(group),
         BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision, USE_DOT=use_dot,
-    )
+    ))
     if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part, part_m, part_l, token_begin,
-            out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
-            part_m.stride(0), part_m.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_P2=_p2(num_splits), HEAD_DIM=head_dim, HEAD_P2=head_p2,
-        )
+        _launch(_merge_splits_kernel, (num_tokens, num_heads), (
+            out, part, part_m, part_l, token_begin, out.stride(0), out.stride(1), num_heads,
+        ), dict(NUM_SPLITS=num_splits, SPLITS_P2=_p2(num_splits), HEAD_DIM=head_dim, HEAD_P2=head_p2))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -305,8 +360,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, rows, out, weight, rows.shape[1], eps, rows.stride(0), 0,
-                                           out.stride(0), HAS_RESIDUAL=False, BLOCK=_p2(rows.shape[1]))
+        _launch(_rms_norm_kernel, (rows.shape[0],), (rows, rows, out, weight, rows.shape[1], eps, rows.stride(0), 0,
+                                                     out.stride(0)), dict(HAS_RESIDUAL=False, BLOCK=_p2(rows.shape[1])))
     return out.view(x.shape)
 
 
@@ -317,8 +372,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if x.dim() != 2 or x.stride(1) != 1 or residual.shape != x.shape or residual.stride(1) != 1:
         raise ValueError("fused_add_rms_norm takes x and residual of one [rows, hidden] shape, last axis contiguous")
     if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](x, residual, x, weight, x.shape[1], eps, x.stride(0), residual.stride(0),
-                                        x.stride(0), HAS_RESIDUAL=True, BLOCK=_p2(x.shape[1]))
+        _launch(_rms_norm_kernel, (x.shape[0],), (x, residual, x, weight, x.shape[1], eps, x.stride(0),
+                                                  residual.stride(0), x.stride(0)),
+                dict(HAS_RESIDUAL=True, BLOCK=_p2(x.shape[1])))
     return x, residual
 
 
@@ -331,8 +387,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], d, dtype=x.dtype, device=x.device)
     if rows.shape[0] and d:
         block = min(1024, _p2(d))
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](rows, out, d, rows.stride(0), out.stride(0),
-                                                                    BLOCK=block)
+        _launch(_silu_and_mul_kernel, (rows.shape[0], triton.cdiv(d, block)), (rows, out, d, rows.stride(0),
+                                                                                out.stride(0)), dict(BLOCK=block))
     return out.view(*x.shape[:-1], d)
 
 
@@ -347,8 +403,8 @@ def rotary_neox_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
         raise ValueError(f"rotary_neox_: rotary_dim {rot} and the widths must fit head_dim {head_dim}")
     num_q, num_k = query.shape[1] // head_dim, key.shape[1] // head_dim
     if query.shape[0]:
-        _rotary_neox_kernel[(query.shape[0], num_q + num_k)](
+        _launch(_rotary_neox_kernel, (query.shape[0], num_q + num_k), (
             positions, query, key, cos_sin_cache, query.stride(0), key.stride(0), cos_sin_cache.stride(0),
-            num_q, num_k, head_dim, HALF=rot // 2, HALF_P2=_p2(rot // 2),
-        )
+            num_q, num_k, head_dim,
+        ), dict(HALF=rot // 2, HALF_P2=_p2(rot // 2)))
     return query, key
