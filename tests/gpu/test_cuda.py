@@ -22,18 +22,27 @@ def _needs_cuda():
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, None), (torch.float16, None)])
 def test_paged_attention_on_cuda(dtype, tol):
+    """Half precision within twice ``attention_bound`` (a spacing of the output plus the rounding of
+    the softmax weights to the dtype; twice: SDPA's fused kernels are not ours to bound exactly), not
+    an absolute tolerance that outputs near 4 exceed by their rounding alone."""
+    from tests.kernels.triton.common import attention_bound
+
     specs = CASES["mixed"]
     q, k, v, kp, vp, meta, fk, fv = _build_step(specs, 8, 2, 64, 16, dtype)
-    to = lambda t: t.cuda()  # noqa: E731
+    to = lambda t: t.cuda()
     meta.slot_mapping, meta.block_tables = to(meta.slot_mapping), to(meta.block_tables)
     meta.seq_lens, meta.query_start_loc = to(meta.seq_lens), to(meta.query_start_loc)
     out = paged_attention(to(q), to(k), to(v), to(kp), to(vp), meta, 1 / math.sqrt(64)).cpu()
     start = 0
     for (_, ql), kk, vv in zip(specs, fk, fv):
-        ref = naive_causal_attention(q[start:start + ql].float(), kk.float(), vv.float(), 1 / math.sqrt(64))
-        torch.testing.assert_close(out[start:start + ql].float(), ref, atol=tol, rtol=tol)
+        ref = naive_causal_attention(q[start:start + ql].double(), kk.double(), vv.double(), 1 / math.sqrt(64))
+        if tol is not None:
+            torch.testing.assert_close(out[start:start + ql].double(), ref, atol=tol, rtol=tol)
+        else:
+            bound = 2 * attention_bound(q[start:start + ql], kk, vv, 1 / math.sqrt(64), dtype)
+            assert ((out[start:start + ql].double() - ref).abs() <= bound).all()
         start += ql
 
 
