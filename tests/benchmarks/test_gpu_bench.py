@@ -41,6 +41,7 @@ def test_bench_gpu_smoke_on_cpu(model_dirs, tmp_path):
     assert agreement["agreeing"] == 3  # float32, the same model: the backends pick the same tokens
     assert "triton vs torch: 3/3 greedy positions agree" in proc.stdout
     assert report["cuda_graphs"] == {"status": "not run: they need CUDA and the triton backend"}
+    assert report["thresholds"]["min_graph_agreement"] == 0.99 and report["thresholds"]["max_graph_logit_diff"] is None
     assert "CUDA graphs: not run: they need CUDA and the triton backend" in proc.stdout
 
 
@@ -67,22 +68,28 @@ def test_backends_that_disagree_fail_the_command(monkeypatch, tmp_path, capsys):
               "cuda_graphs": {"status": "captured", "sizes": [1, 2], "decode": [
                   {"batch": 1, "step_ms": 2.0, "bound_ms": 1.0, "x_bound": 2.0, "tokens_per_s": 500.0,
                    "x_eager": 3.0}],
-                  "agreement": {"reference": "triton", "other": "triton", "positions": 100, "agreeing": 100,
-                                "agreement": 1.0}},
+                  "agreement": {"steps": 20, "positions": 100, "agreeing": 100, "identical_logits": 40,
+                                "max_logit_diff": 0.25, "max_abs_logit": 30.0, "agreement": 1.0}},
               "elapsed_s": 1.0}
     monkeypatch.setattr(gpu_bench, "bench_gpu", lambda args: report)
-    args = type("Args", (), {"out": str(tmp_path / "r.json"), "min_agreement": 0.99})()
+    args = type("Args", (), {"out": str(tmp_path / "r.json"), "min_agreement": 0.99, "min_graph_agreement": 0.95,
+                             "max_graph_logit_diff": None})()
     assert gpu_bench.run_bench_gpu(args) == 1
     captured = capsys.readouterr()
     assert "the backends agree on 98.0% of greedy positions, below 99%" in captured.err
     assert "  batch    1: step     2.00 ms (2.00x the bound, 3.00x faster than eager)" in captured.out
-    assert "  graphs vs eager: 100/100 greedy positions agree (100.0%)" in captured.out
+    assert ("  graph replays vs eager steps: 100/100 decode positions agree (100.0%) over 20 steps, 40 with "
+            "identical logits; largest logit difference 0.25 (logits up to 30)") in captured.out
     assert json.loads((tmp_path / "r.json").read_text())["agreement"]["agreeing"] == 98
     args.min_agreement = 0.95
     assert gpu_bench.run_bench_gpu(args) == 0
+    args.max_graph_logit_diff = 0.1  # a logit bound, once measured, is checked too
+    assert gpu_bench.run_bench_gpu(args) == 1
+    assert "logits differ from the eager step's by 0.25, more than 0.1" in capsys.readouterr().err
+    args.max_graph_logit_diff = None
     report["cuda_graphs"]["agreement"].update(agreeing=90, agreement=0.9)  # graphs that change tokens fail it
     assert gpu_bench.run_bench_gpu(args) == 1
-    assert "CUDA graphs and eager steps agree on 90.0% of greedy positions, below 95%" in capsys.readouterr().err
+    assert "CUDA graph replays and eager steps agree on 90.0% of greedy positions, below 95%" in capsys.readouterr().err
 
 
 def test_the_device_script_reports_a_machine_without_cuda_and_fails(tmp_path):

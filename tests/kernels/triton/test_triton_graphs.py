@@ -67,3 +67,24 @@ def test_decode_buckets_match_hf_and_the_eager_path(arch, model_dirs, hf_oracle)
             assert le.keys() == lg.keys()
             for token in le:
                 assert abs(le[token] - lg[token]) < 1e-4
+
+
+def test_bench_gpu_compares_graph_replays_with_eager_steps_of_the_same_engine(model_dirs):
+    """``kvserve bench-gpu``'s graphs-vs-eager check (``benchmarks.gpu_bench.graph_vs_eager``), its
+    plumbing on CPU: every decode step through a bucket is also run eagerly on the same inputs, their
+    logits compared; a bucket path that computes something else shows in the figures."""
+    from benchmarks.gpu_bench import graph_vs_eager
+
+    prompts = [p[:20] for p in make_prompts(model_dirs["llama"])[2:5]]
+    with LLM(model=model_dirs["llama"], **SETTINGS) as llm:
+        runner = llm.core.executor.worker.runner
+        assert runner.capture_graphs(capture=False, sizes=[1, 2, 4])
+        run = runner.graphs.run
+        same = graph_vs_eager(llm, prompts, 4)
+        assert runner.graphs.run == run  # put back
+        replays = runner.graphs.num_replays
+        runner.graphs.run = lambda *a: run(*a) * 1.01  # a bucket path that is slightly off
+        off = graph_vs_eager(llm, prompts, 4)
+    assert (same["steps"], same["positions"]) == (3, 9) and replays == 3  # 4 tokens: 3 decode steps of 3
+    assert same["agreement"] == 1.0 and same["max_logit_diff"] < 1e-4 and same["max_abs_logit"] > 0.1
+    assert off["positions"] == 9 and off["identical_logits"] == 0 and off["max_logit_diff"] > 1e-3
