@@ -415,8 +415,8 @@ def run_bench_gpu(args: argparse.Namespace) -> int:
             failed = 1
     most = getattr(args, "max_graph_logit_diff", None)
     if graphs is not None and most is not None and graphs["max_logit_diff"] > most:
-        print(f"bench-gpu: a CUDA graph replay's logits differ from the eager step's by {graphs['max_logit_diff']:.3g}, "
-              f"more than {most:.3g}", file=sys.stderr)
+        print(f"bench-gpu: a CUDA graph replay's logits differ from the eager step's by "
+              f"{graphs['max_logit_diff']:.3g}, more than {most:.3g}", file=sys.stderr)
         failed = 1
     return failed
 

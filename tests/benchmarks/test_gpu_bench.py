@@ -93,13 +93,21 @@ def test_backends_that_disagree_fail_the_command(monkeypatch, tmp_path, capsys):
 
 
 def test_the_device_script_reports_a_machine_without_cuda_and_fails(tmp_path):
-    """benchmarks/gpu_check.sh (the one prepared run for a GPU machine): on this CPU the gpu tests fail at
-    their first check, the script says so in its summary and exits 1; its logs land in $OUT."""
+    """benchmarks/gpu_check.sh (the one prepared run for a GPU machine): on this CPU the kernel tests fail at
+    their first check, the script says so in its summary with the part's time and exits 1; its logs land
+    in $OUT; its default limits leave 10 minutes of device time room for the start."""
+    import re
+
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    limits = [int(n) for n in re.findall(r"\$\{(?:KERNELS|TESTS|BENCH)_TIMEOUT:-(\d+)\}", script)]
+    assert len(limits) == 3 and sum(limits) <= 540, limits
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT, capture_output=True,
                           text=True, timeout=300,
-                          env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "PARTS": "tests"})
+                          env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "PARTS": "kernels"})
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = (tmp_path / "device.txt").read_text().splitlines()
-    assert summary[1:] == ["device none: these checks need CUDA", "gpu tests: exit 1"]
-    assert "the gpu tests need a CUDA device" in (tmp_path / "gpu_tests.log").read_text()
-    assert not (tmp_path / "gpu.json").exists()  # PARTS=tests: no bench
+    assert summary[1] == "device none: these checks need CUDA"
+    assert re.fullmatch(r"gpu kernels: exit 1 in \d+ s \(limit 140 s\)", summary[2]), summary
+    assert re.fullmatch(r"total: \d+ s", summary[3]) and len(summary) == 4
+    assert "the gpu tests need a CUDA device" in (tmp_path / "gpu_kernels.log").read_text()
+    assert not (tmp_path / "gpu_tests.log").exists() and not (tmp_path / "gpu.json").exists()  # PARTS=kernels

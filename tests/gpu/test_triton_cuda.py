@@ -39,9 +39,14 @@ def test_triton_asked_for_on_cuda_is_compiled():
     assert chosen.name == "triton" and why == "attention backend: triton (asked for, compiled, in-place paged attention)"
 
 
+# (block size, heads, KV heads): every block size and every GQA ratio (1, 2, 4, 8) in each dtype, paired
+# off rather than their full product (each case compiles its own variants, a second or so each on a cold
+# Triton cache: 60 cases took most of the device check's time)
+MIXED = [(1, 4, 4), (5, 8, 4), (8, 8, 2), (16, 8, 1), (32, 16, 8)]
+
+
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-@pytest.mark.parametrize("block_size", [1, 5, 8, 16, 32])
-@pytest.mark.parametrize("num_heads,kv_heads", [(4, 4), (8, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("block_size,num_heads,kv_heads", MIXED)
 def test_mixed_batches_on_cuda(dtype, tol, block_size, num_heads, kv_heads):
     rng = random.Random(block_size * 100 + num_heads * 10 + kv_heads)
     pool = Pool(600 if block_size == 1 else 200, block_size, kv_heads, 128, dtype=dtype, seed=rng.randint(0, 99),
@@ -52,7 +57,7 @@ def test_mixed_batches_on_cuda(dtype, tol, block_size, num_heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-@pytest.mark.parametrize("head_dim", [32, 40, 64, 96, 128])
+@pytest.mark.parametrize("head_dim", [40, 64, 80, 96, 128, 256])
 def test_head_sizes_on_cuda(dtype, tol, head_dim):
     pool = Pool(60, 16, 2, head_dim, dtype=dtype, seed=head_dim, device="cuda")
     specs = [(1, 17), (1, 16), (30, 50), (40, 40)]
@@ -134,47 +139,3 @@ def test_batch_invariant_linear_on_cuda(dtype):
     x, weight, bias, full = x.cuda(), weight.cuda(), bias.cuda(), full.cuda()
     for start, rows in ((0, 1), (5, 3), (BLOCK_M - 1, 2), (7, 2 * BLOCK_M + 1), (0, x.shape[0])):
         assert torch.equal(linear_batch_invariant(x[start:start + rows], weight, bias), full[start:start + rows])
-
-
-def test_deterministic_engine_on_cuda(model_dirs):
-    """The engine under deterministic=True on the compiled Triton path: a prompt alone and among
-    others in 16-token chunks, cold and warm, the same tokens and logprob bits."""
-    from engine import LLM
-    from tests.e2e.test_deterministic import random_prompt
-    from tests.kernels.triton.test_triton_deterministic import run_with_others
-
-    target = random_prompt(random.Random(7), 24)
-    kwargs = dict(attention_backend="triton", deterministic=True, device="cuda", block_size=8, num_kv_blocks=128,
-                  max_model_len=128)
-    with LLM(model=model_dirs["llama"], enable_prefix_caching=False, max_num_batched_tokens=2048, **kwargs) as llm:
-        alone = run_with_others(llm, target, 0, 0)[0]
-    with LLM(model=model_dirs["llama"], max_num_batched_tokens=16, **kwargs) as llm:
-        assert run_with_others(llm, target, 3, seed=1)[0] == alone
-        assert run_with_others(llm, target, 8, seed=2)[0] == alone
-
-
-def test_cuda_graphs_replay_decode_steps_with_the_eager_tokens(model_dirs, hf_oracle):
-    """enforce_eager=False on the compiled Triton path: every bucket captured at start, decode-only
-    steps replayed (padded buckets included), the eager engine's greedy tokens and HF's."""
-    from engine import LLM, SamplingParams
-    from tests.e2e.prompts import test_prompts as make_prompts
-
-    prompts = [p[:20 + 7 * i] for i, p in enumerate(make_prompts(model_dirs["llama"])[:5])]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 10, 9, 6, 3)]
-    kwargs = dict(attention_backend="triton", device="cuda", dtype="float32", block_size=16, num_kv_blocks=256,
-                  max_model_len=512, max_num_seqs=8)
-    runs = {}
-    for eager in (True, False):
-        with LLM(model=model_dirs["llama"], enforce_eager=eager, **kwargs) as llm:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-            runner = llm.core.executor.worker.runner
-            if not eager:
-                assert llm.stats()["cuda_graph_sizes"] == [1, 2, 4, 8]
-                assert sorted(runner.graphs.graphs) == [1, 2, 4, 8]  # captured, not run eagerly
-                assert runner.graphs.num_replays >= 8  # five decoding down to one: buckets 8, 4, 2 and 1
-            runs[eager] = outs
-    for prompt, e, g in zip(prompts, runs[True], runs[False]):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids
-        hf_oracle("llama").assert_greedy(prompt, g.outputs[0].token_ids)
-        for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
-            assert le.keys() == lg.keys() and all(abs(le[t] - lg[t]) < 1e-3 for t in le)
