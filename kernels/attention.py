@@ -1,119 +1,15 @@
-"""Paged attention over a block-addressed KV pool: the step's metadata and the one dispatch point.
-
-Pool layout, one pair per layer (and per tensor-parallel rank, holding that rank's KV heads)::
-
-    k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]
-
-A token at position ``p`` of a sequence lives in slot ``block_table[p // block_size] * block_size +
-p % block_size``. Block 0 is the null block: padding slots point there and nothing reads it back.
-
-A step's batch is flat (no padding) and ordered decodes first, then prefills::
-
-    tokens:  d0 d1 d2 | p0 p0 p0 p0 p1 p1
-             decodes    prefill chunks (each may follow a cached prefix)
-
-Sequence ``s`` owns the query tokens ``[query_start_loc[s], query_start_loc[s + 1])``; its context is
-the positions ``[0, seq_lens[s])`` and its i-th query token sits at ``seq_lens[s] - query_len + i``.
-Each layer first stores the K/V of every token of the step, then attends: a request may read blocks
-that another request of the same step is writing (a prefix-cache hit scheduled in the same step as
-the request that fills the blocks), and the store always precedes the reads.
-
-Backends (``kernels.backends``) implement the same contract: ``torch`` (plain torch ops, any device,
-the fallback) and ``cpu`` (compiled kernels that read the pool in place and run shared-prefix groups).
-"""
+"""The one dispatch point of paged attention: every layer calls ``paged_attention`` with the step's
+metadata (``kernels.metadata``: the pool layout and the batch are described there), which names the
+backend that runs it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
+from kernels.metadata import AttentionBackend, CascadeGroups, PagedAttentionMetadata
+from kernels.torch_attention import TORCH_BACKEND
 
-@dataclass
-class CascadeGroups:
-    """Shared-prefix groups of one step: the member sequences of group g start with the same
-    ``lens[g]`` key positions, held in the same physical blocks (``block_tables[g]``), and every
-    member's query tokens come after them. A backend that supports groups attends to the shared keys
-    once per group and merges each member's own suffix by log-sum-exp; the others ignore them (the
-    result is the same)."""
-
-    kv_starts: torch.Tensor  # [num_seqs] int32: the shared length of the sequence's group, 0 outside groups
-    block_tables: torch.Tensor  # [num_groups, max_shared_blocks] int32
-    lens: torch.Tensor  # [num_groups] int32, multiples of the block size
-    member_start: torch.Tensor  # [num_groups + 1] int32: group g's members are members[member_start[g]:...]
-    members: torch.Tensor  # [num_members] int32, sequence indices
-
-    @property
-    def num_groups(self) -> int:
-        return int(self.lens.numel())
-
-
-@dataclass
-class PagedAttentionMetadata:
-    """Where the tokens of one step live in the pool; built once per step, shared by all layers."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 (null-block padded)
-    query_lens: list[int]
-    context_lens: list[int]  # seq_lens as Python ints
-    num_decodes: int  # the first num_decodes sequences have one query token each
-    cascade: CascadeGroups | None = None
-    backend: AttentionBackend | None = None  # None: the torch backend
-    # batch-invariant results (the engine's ``deterministic``): every row reduces in one fixed order,
-    # so a token's output does not depend on the other rows of the step (backends that support it)
-    deterministic: bool = False
-    # what the backend derives from this metadata once per step (the Triton backend's launch plan: its
-    # tiles on the device), kept with it: a CUDA graph captured over this metadata replays those tensors
-    backend_plan: object = None
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu", backend: AttentionBackend | None = None,
-              deterministic: bool = False) -> PagedAttentionMetadata:
-        """Metadata from plain lists (tests, profiling): slots of each sequence's query positions."""
-        width = max((len(t) for t in block_tables), default=0)
-        slots = [table[p // block_size] * block_size + p % block_size
-                 for q, s, table in zip(query_lens, seq_lens, block_tables) for p in range(s - q, s)]
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
-        num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
-        int32 = dict(dtype=torch.int32, device=device)
-        return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(starts, **int32),
-            seq_lens=torch.tensor(seq_lens, **int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], **int32).view(-1, width),
-            query_lens=list(query_lens),
-            context_lens=list(seq_lens),
-            num_decodes=num_decodes,
-            backend=backend,
-            deterministic=deterministic,
-        )
-
-
-class AttentionBackend(Protocol):
-    name: str
-    supports_cascade: bool
-    supports_deterministic: bool  # honours ``PagedAttentionMetadata.deterministic`` (absent: False)
-    layer_ops: object | None  # fused norm / activation / rotary ops for the layers, if the backend has them
-    interpreted: bool  # its kernels run under an interpreter (tests): no warm-up at start
-    # its kernels read every length from device memory, so a CUDA graph captured over one step's
-    # metadata replays correctly for another's (absent: False)
-    supports_graphs: bool
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
-                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-        """Store ``key``/``value`` ([tokens, kv_heads, d]) in their slots, then attend ``query``
-        ([tokens, heads, d]) for the whole batch -> [tokens, heads, d]."""
-        ...
+__all__ = ["AttentionBackend", "CascadeGroups", "PagedAttentionMetadata", "paged_attention"]
 
 
 def paged_attention(
@@ -126,7 +22,5 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Store this step's K/V, then attend for the whole mixed batch ([tokens, heads, d] in and out)."""
-    backend = meta.backend
-    if backend is None:
-        from kernels.torch_attention import TORCH_BACKEND as backend
+    backend = meta.backend or TORCH_BACKEND
     return backend.forward(query, key, value, k_pool, v_pool, meta, scale)

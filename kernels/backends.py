@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import AttentionBackend
+from kernels.metadata import AttentionBackend
 from kernels.torch_attention import TORCH_BACKEND
 
 BACKENDS = ("auto", "torch", "cpu", "triton")

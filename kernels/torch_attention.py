@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.attention import PagedAttentionMetadata
+from kernels.metadata import PagedAttentionMetadata
 
 
 DECODE_GATHER_BYTES = 256 * 2**20  # the most K + V one decode slice gathers out of the pool

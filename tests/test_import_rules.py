@@ -43,3 +43,43 @@ def test_only_the_cluster_layer_imports_ray():
     for package in ("engine", "workers", "kernels", "api"):
         for path, names in imported_modules(package).items():
             assert "ray" not in names, f"{path} imports ray"
+
+
+def _kernels_import_graph() -> dict[str, set[str]]:
+    """kernels module -> the kernels modules it imports (lazy imports included)."""
+    modules = {}
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.add(node.module)
+                targets.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def test_kernels_have_no_import_cycle():
+    """Between the kernels' modules (a package importing its own submodules aside), no module imports
+    one that imports it back, directly or around a longer circle."""
+    graph = _kernels_import_graph()
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in graph[name]:
+            if target.startswith(name + "."):  # a package and its submodules
+                continue
+            assert state.get(target) != 1, f"import cycle: {' -> '.join(path + [target])}"
+            if target not in state:
+                visit(target, path + [target])
+        state[name] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import PagedAttentionMetadata
+from kernels.metadata import PagedAttentionMetadata
 from kernels.cpu.layer_ops import CpuLayerOps
 
 _EMPTY = torch.zeros(0, dtype=torch.int32)

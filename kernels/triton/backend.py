@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import PagedAttentionMetadata
+from kernels.metadata import PagedAttentionMetadata
 from kernels.triton import ops
 from kernels.triton.linear import linear_batch_invariant
 
@@ -116,15 +116,6 @@ class TritonAttentionBackend:
         if self.scratch is None or not self.scratch.fits(num_heads, head_dim, query.device):
             self.scratch = ops.SplitScratch(self.default_scratch_rows, num_heads, head_dim, query.device)
         return self.scratch
-
-    def compile_variants(self, forward=None) -> dict:
-        """Compile every kernel variant the prepared configuration can launch (``kernels.triton.warmup``):
-        ``forward`` (one small forward of the model) compiles the layer ops at the model's widths."""
-        from kernels.triton.warmup import compile_variants
-
-        if self.shape is None:
-            raise RuntimeError("compile_variants needs prepare(shape, device) first")
-        return compile_variants(self, self.shape, forward)
 
     # --- planning ---------------------------------------------------------------------------------------
 

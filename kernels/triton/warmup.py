@@ -127,7 +127,7 @@ def attention_launches(backend: TritonAttentionBackend, shape: AttentionShape) -
     ``shape``: its forward over meta tensors, dry, for a step of one decode and one prefill chunk (the
     two tile shapes the planner uses) planned by the backend and then run at each split count of
     ``split_counts`` (one under ``deterministic``)."""
-    from kernels.attention import PagedAttentionMetadata
+    from kernels.metadata import PagedAttentionMetadata
 
     meta_device = torch.device("meta")
     h, kvh, d, bs = shape.num_heads, shape.kv_heads, shape.head_dim, shape.block_size
@@ -251,7 +251,10 @@ def warm_up_runner(runner) -> dict:
         with torch.inference_mode():
             runner._throwaway_forward([n], [n], [blocks], torch.arange(n, device=runner.device))
 
-    done = runner.attention_backend.compile_variants(forward)
+    backend = runner.attention_backend
+    if backend.shape is None:
+        raise RuntimeError("compiling the Triton variants needs the backend prepared (prepare_runner) first")
+    done = compile_variants(backend, backend.shape, forward)
     if runner.tp.is_first_rank:
         logger.info("Triton: %d attention variants and the layer ops %s in %.1f s", done["attention_variants"],
                     "compiled" if done["compiled"] else "enumerated (interpreted: nothing to compile)",
