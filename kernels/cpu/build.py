@@ -6,8 +6,8 @@ fails: the caller then runs the plain-torch kernels.
 
 Builds live in ``$KVSERVE_KERNEL_CACHE`` (default ``~/.cache/kvserve/kernels``), one directory per
 hash of the sources, the flags, the torch version and this CPU's instruction sets, since the code
-is compiled for the machine that builds it (``-march=native``). A file lock lets concurrent
-processes (Ray actors starting together) share one build.
+is compiled for the machine that builds it (``-march=native``, or ``$KVSERVE_CPU_ARCH``). A file
+lock lets concurrent processes (Ray actors starting together) share one build.
 
 The compiler runs in a child process (``python -m kernels.cpu --compile DIR``): torch's
 extension mechanism loads what it builds into the building process, and a library whose ops
@@ -18,7 +18,8 @@ build's reason names the compiler's first errors.
 OpenMP: the kernels' parallel regions (``at::parallel_for``, inlined from torch's headers) must run
 on the OpenMP runtime torch itself uses, or ``torch.set_num_threads`` does not reach them and two
 thread pools compete for the cores. The library is linked against the runtime torch loaded in this
-process (``openmp_runtime()``; wheels often carry their own renamed copy), not the compiler's default.
+process (``openmp_runtime()``; wheels often carry their own renamed copy), not the compiler's default,
+and clang, whose OpenMP code needs LLVM's runtime, is refused beside a torch on GCC's libgomp.
 """
 
 from __future__ import annotations
@@ -44,10 +45,16 @@ SOURCES = tuple(Path(__file__).parent / name for name in (
     "vec.h", "ops.h", "group_attention.h", "paged_attention.cpp", "group_attention.cpp", "elementwise.cpp",
     "linear.cpp", "decoder_stack.cpp", "gemm.h", "gemm.cpp"))
 _ARM = platform.machine().lower() in ("arm64", "aarch64")
-# -mcpu=native is what GCC and clang both take on ARM (Apple clang rejects -march=native there);
-# the stack protector turns a write past a kernel's stack arrays into an abort instead of corruption
-CFLAGS = ("-O3", "-mcpu=native" if _ARM else "-march=native", "-fno-math-errno", "-ffp-contract=fast",
-          "-fstack-protector-strong")
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags: for this machine's CPU (``-march=native``; ``-mcpu=native`` on ARM, which GCC
+    and clang both take there), or for the target ``$KVSERVE_CPU_ARCH`` names (``x86-64-v3`` for AVX2
+    without AVX-512, say: one build for a cluster's older nodes, or the tests' second build). The
+    stack protector turns a write past a kernel's stack arrays into an abort instead of corruption."""
+    arch = os.environ.get("KVSERVE_CPU_ARCH", "").strip() or "native"
+    return ("-O3", f"-mcpu={arch}" if _ARM else f"-march={arch}", "-fno-math-errno", "-ffp-contract=fast",
+            "-fstack-protector-strong")
 _OPENMP_NAME = re.compile(r"^lib(gomp|omp|iomp5)\b.*\.(so(\.\d+)*|dylib)$")
 
 _lock = threading.Lock()
@@ -98,12 +105,28 @@ def openmp_flags(system: str, runtime: Path | None) -> tuple[list[str], list[str
     return compile_flags, [str(runtime), f"-Wl,-rpath,{runtime.parent}"]
 
 
+def _openmp_mismatch(compiler: str, env: dict[str, str], runtime: Path | None) -> str | None:
+    """Why ``compiler``'s OpenMP code cannot run on torch's runtime, or None: clang compiles OpenMP
+    regions into calls to LLVM's runtime (``__kmpc_*``), which GCC's libgomp does not have, so beside
+    a torch on libgomp its kernels would bring a second runtime (or not load)."""
+    if runtime is None or not runtime.name.startswith("libgomp"):
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, env=env, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None  # the build itself will say what is wrong with the compiler
+    if "clang" not in version.lower():
+        return None
+    return (f"{compiler!r} is clang, whose OpenMP code needs LLVM's runtime, and torch here runs on GCC's libgomp "
+            f"({runtime.name}): build with g++ (set CXX=g++)")
+
+
 def build_dir() -> Path:
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
     runtime = openmp_runtime()
-    for part in (*CFLAGS, torch.__version__, sys.version, _cpu_flags(), runtime.name if runtime else "-fopenmp"):
+    for part in (*cflags(), torch.__version__, sys.version, _cpu_flags(), runtime.name if runtime else "-fopenmp"):
         digest.update(part.encode())
     root = Path(os.environ.get("KVSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "kvserve" / "kernels")
     return root / f"{NAME}-{digest.hexdigest()[:16]}"
@@ -128,7 +151,7 @@ def compile_here(work: Path, verbose: bool) -> Path:
     compile_flags, link_flags = openmp_flags(platform.system(), openmp_runtime())
     cpp_extension.load(
         name=NAME, sources=[str(s) for s in SOURCES if s.suffix == ".cpp"],
-        extra_cflags=list(CFLAGS) + compile_flags, extra_ldflags=link_flags, build_directory=str(work),
+        extra_cflags=list(cflags()) + compile_flags, extra_ldflags=link_flags, build_directory=str(work),
         is_python_module=False, verbose=verbose,
     )
     return work / f"{NAME}.so"
@@ -155,6 +178,9 @@ def build(verbose: bool = False) -> Path:
             raise BuildError(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or clang, or set CXX)")
         if shutil.which("ninja", path=env["PATH"]) is None:
             raise BuildError("ninja is not installed (pip install ninja)")
+        mismatch = _openmp_mismatch(compiler, env, openmp_runtime())
+        if mismatch:
+            raise BuildError(mismatch)
         work = directory / "work"
         work.mkdir(exist_ok=True)
         log_path = directory / "build.log"

@@ -73,11 +73,12 @@ def test_linear_at_real_widths_and_thread_counts(shape):
         layouts["packed"] = packed
     weight64 = weight.double()
     del weight
-    for rows in (5, 67):
+    # a decode-sized batch at every thread count, a prefill-sized one (row tiles and their tail) at two
+    for rows, counts in ((5, THREADS), (67, (3, 8))):
         x = torch.randn(rows, k, generator=gen)
         # float64 products, compared in float32: the subtraction's rounding is far below the bound
         ref = F.linear(x.double(), weight64, None if bias is None else bias.double()).float()
-        for t in THREADS:
+        for t in counts:
             with threads(t):
                 results = {name: OPS.linear(x, w, bias) for name, w in layouts.items()}
                 results["fixed-order"] = OPS.linear_fixed_order(x, layouts["split"], bias)

@@ -129,5 +129,7 @@ def test_fixed_order_attention_decode_equals_prefill(heads, kv_heads, head_dim):
     for chunk in (7, 1):
         assert torch.equal(by_chunks(chunk, True), prefill), f"chunks of {chunk} differ from one prefill"
     # the default order differs somewhere between decodes and a prefill (the mode is doing something)
-    if heads // kv_heads < 8:  # fewer than 8 rows per KV head: a decode takes the head_dim-vectorised path
+    lanes = CPU.layer_ops.panel_width // 2  # the kernels' vector width (8 with AVX2, 16 with AVX-512)
+    if heads // kv_heads < lanes // 2:  # fewer rows per KV head than half a vector: a decode takes the
+        # head_dim-vectorised path, a prefill the row-vectorised one
         assert not torch.equal(by_chunks(1, False), by_chunks(length, False))
