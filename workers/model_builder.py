@@ -42,8 +42,8 @@ CHAT_TEMPLATE = (
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MODEL = ("llama", "small", 0)
 
-# preset -> config kwargs by family. "125m" is OPT-125m's shape (and vocab) for every arch; any other preset
-# takes its vocab_size from the tokenizer.
+# preset -> config kwargs by family. "125m" is OPT-125m's shape (and vocab) for every arch, "1b" and "odd"
+# set theirs too; any other preset takes its vocab_size from the tokenizer.
 _COMMON: dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8),
@@ -51,6 +51,9 @@ _COMMON: dict[str, dict] = {
     "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, vocab_size=50272),
     # a 1B-class shape (Llama-3.2-1B-like) for GPU benchmarks: the tokenizer's ids fill the first 4096 rows
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, vocab_size=32768),
+    # widths that are not multiples of 64 (nor of the vector width past 8 lanes): head size 40, GQA 5:1,
+    # a vocabulary of 4100 (the tokenizer's 4096 ids and 4 never produced), for kernels' ragged splits
+    "odd": dict(hidden_size=200, num_hidden_layers=2, num_attention_heads=5, vocab_size=4100),
 }
 _GATED_MLP: dict[str, dict] = {  # llama, qwen2
     "tiny": dict(num_key_value_heads=2, intermediate_size=128, max_position_embeddings=2048),
@@ -58,8 +61,9 @@ _GATED_MLP: dict[str, dict] = {  # llama, qwen2
     "medium": dict(num_key_value_heads=4, intermediate_size=2816, max_position_embeddings=4096),
     "125m": dict(num_key_value_heads=12, intermediate_size=3072, max_position_embeddings=2048),
     "1b": dict(num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=4096),
+    "odd": dict(num_key_value_heads=1, intermediate_size=520, max_position_embeddings=2048),
 }
-_OPT_FFN = {"tiny": 256, "small": 2048, "medium": 4096, "125m": 3072, "1b": 8192}
+_OPT_FFN = {"tiny": 256, "small": 2048, "medium": 4096, "125m": 3072, "1b": 8192, "odd": 520}
 
 
 def _init_std(common: dict) -> float:

@@ -172,9 +172,11 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_presets_follow_the_spec() -> None:
     for arch in ARCHS:
-        assert list(PRESETS[arch]) == ["tiny", "small", "medium", "125m", "1b"]
+        assert list(PRESETS[arch]) == ["tiny", "small", "medium", "125m", "1b", "odd"]
         assert PRESETS[arch]["125m"]["vocab_size"] == 50272 and PRESETS[arch]["1b"]["vocab_size"] == 32768
-        assert all("vocab_size" not in kwargs for name, kwargs in PRESETS[arch].items() if name not in ("125m", "1b"))
+        assert PRESETS[arch]["odd"]["vocab_size"] == 4100 and PRESETS[arch]["odd"]["hidden_size"] == 200
+        assert all("vocab_size" not in kwargs for name, kwargs in PRESETS[arch].items()
+                   if name not in ("125m", "1b", "odd"))
     one_b = PRESETS["llama"]["1b"]
     assert (one_b["hidden_size"], one_b["num_hidden_layers"], one_b["num_attention_heads"],
             one_b["num_key_value_heads"], one_b["intermediate_size"]) == (2048, 16, 32, 8, 8192)
