@@ -4,11 +4,26 @@ Hugging Face transformers oracle that judges our outputs by teacher forcing."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    """The Triton kernels' tests (``tests/kernels/triton``) run on CPU tensors under the Triton
+    interpreter. ``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is decorated: the
+    kernels' (``kernels.triton.ops``) and triton.language's own (``tl.zeros`` and the like), and
+    ``import torch`` imports triton where it is installed. So it is set here, before any test module
+    is collected (and imports torch); not when the run selects the ``gpu`` tests (``-m gpu``), which
+    run the same kernels compiled on CUDA (``tests/gpu``)."""
+    if (config.getoption("markexpr") or "").replace(" ", "") == "gpu":
+        return
+    assert "triton.language" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", (
+        "triton was imported before the test session could set TRITON_INTERPRET=1")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 ARCHS = ("llama", "qwen2", "opt")
 
