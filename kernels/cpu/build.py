@@ -25,11 +25,13 @@ and clang, whose OpenMP code needs LLVM's runtime, is refused beside a torch on 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -75,19 +77,29 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+@functools.lru_cache(maxsize=1)
 def openmp_runtime() -> Path | None:
-    """The OpenMP runtime torch's library runs on in this process (the file mapped after ``import
-    torch``, or on systems without ``/proc`` the one torch's wheel carries), None if none is found."""
+    """The OpenMP runtime torch's library runs on in this process: of the OpenMP libraries mapped
+    after ``import torch``, the one inside torch's own directories (its wheel's copy) if there is one,
+    else the first (a system runtime torch links); on systems without ``/proc``, the one torch's wheel
+    carries. None if none is found."""
+    root = Path(torch.__file__).parent
+    torch_dirs = (root / "lib", root.parent / "torch.libs", root / ".dylibs")
+    mapped: list[Path] = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.split()[-1] if line.count("/") else ""
-                if _OPENMP_NAME.match(os.path.basename(path)):
-                    return Path(path)
+                if _OPENMP_NAME.match(os.path.basename(path)) and Path(path) not in mapped:
+                    mapped.append(Path(path))
     except OSError:
         pass
-    root = Path(torch.__file__).parent
-    for directory in (root / "lib", root.parent / "torch.libs", root / ".dylibs"):
+    for path in mapped:
+        if path.parent in torch_dirs:
+            return path
+    if mapped:
+        return mapped[0]
+    for directory in torch_dirs:
         if directory.is_dir():
             for candidate in sorted(directory.iterdir()):
                 if _OPENMP_NAME.match(candidate.name):
@@ -112,7 +124,8 @@ def _openmp_mismatch(compiler: str, env: dict[str, str], runtime: Path | None) -
     if runtime is None or not runtime.name.startswith("libgomp"):
         return None
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, env=env, timeout=60).stdout
+        version = subprocess.run([*shlex.split(compiler), "--version"], capture_output=True, text=True, env=env,
+                                 timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return None  # the build itself will say what is wrong with the compiler
     if "clang" not in version.lower():
@@ -126,7 +139,11 @@ def build_dir() -> Path:
     for source in SOURCES:
         digest.update(source.read_bytes())
     runtime = openmp_runtime()
-    for part in (*cflags(), torch.__version__, sys.version, _cpu_flags(), runtime.name if runtime else "-fopenmp"):
+    # the machine's instruction sets matter where the code is built for it (-march=native), not for a
+    # named target: nodes of one target share its build whatever else their CPUs have
+    native = not os.environ.get("KVSERVE_CPU_ARCH", "").strip()
+    for part in (*cflags(), torch.__version__, sys.version, _cpu_flags() if native else "",
+                 runtime.name if runtime else "-fopenmp"):
         digest.update(part.encode())
     root = Path(os.environ.get("KVSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "kvserve" / "kernels")
     return root / f"{NAME}-{digest.hexdigest()[:16]}"
@@ -170,11 +187,15 @@ def build(verbose: bool = False) -> Path:
     if bin_dir not in env.get("PATH", "").split(os.pathsep):
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process's build of the CPU kernels (%s)", directory)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if library.exists():  # another process built it while this one waited
             return library
         compiler = env.get("CXX", "c++")
-        if shutil.which(compiler, path=env["PATH"]) is None:
+        if shutil.which(shlex.split(compiler)[0] if compiler.strip() else "", path=env["PATH"]) is None:
             raise BuildError(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or clang, or set CXX)")
         if shutil.which("ninja", path=env["PATH"]) is None:
             raise BuildError("ninja is not installed (pip install ninja)")
@@ -186,6 +207,7 @@ def build(verbose: bool = False) -> Path:
         log_path = directory / "build.log"
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         command = [sys.executable, "-m", "kernels.cpu", "--compile", str(work)] + (["-v"] if verbose else [])
+        logger.info("building the CPU kernels for this machine into %s (about a minute)", directory)
         with open(log_path, "w") as log:
             done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
         built = work / f"{NAME}.so"

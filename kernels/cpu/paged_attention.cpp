@@ -546,9 +546,10 @@ void check_step_metadata(int64_t num_blocks, int block_size, int64_t num_tokens,
   const int32_t* gtables = group_block_tables.data_ptr<int32_t>();
   TORCH_CHECK(gstart[0] == 0 && gstart[num_groups] == group_members.numel(),
               "group_member_start must span group_members");
+  for (int64_t gi = 0; gi < num_groups; ++gi)  // every range inside group_members before any member is read
+    TORCH_CHECK(gstart[gi] <= gstart[gi + 1], "group_member_start must not decrease");
   std::vector<int64_t> group_of(num_seqs, -1);
   for (int64_t gi = 0; gi < num_groups; ++gi) {
-    TORCH_CHECK(gstart[gi] <= gstart[gi + 1], "group_member_start must not decrease");
     TORCH_CHECK(glens[gi] > 0 && glens[gi] <= group_block_tables.size(1) * block_size,
                 "group ", gi, ": its block table is too short for ", glens[gi], " tokens");
     check_blocks(gtables + gi * group_block_tables.stride(0), 0, (glens[gi] + block_size - 1) / block_size, "group",

@@ -3,7 +3,7 @@ configurations (``tests/kernels/model_shapes.py``), against float64 references (
 where it has one). How work is split between threads is what changes with their number, so more
 threads than this machine's cores still check a server's split; the widths are those of the
 models, not powers of two (a split that leaves columns to nobody only shows at some widths and
-thread counts: 520 columns at 2 threads, 200 at 3, 50272 at 5)."""
+thread counts: 1040 columns at 2, 4 and 8 threads, 200 at 3 and 5, 50272 at 5 only)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ from workers.layers.kernels import _transposed_layout
 CPU = cpu_backend_or_skip()
 OPS = CPU.layer_ops
 THREADS = (1, 2, 3, 4, 8)
+LINEAR_THREADS = (1, 2, 3, 4, 5, 8)  # 5: OPT's vocabulary of 50272 columns was split wrong at 5 threads only
 LM_HEAD_INPUTS = 64  # the vocabulary's columns at a small depth: the split is over columns, the depths are the layers'
-SHAPES = {**linear_shapes(), **{(m.vocab, LM_HEAD_INPUTS): f"{m.name} lm_head" for m in MODELS}}
+SHAPES = {**linear_shapes(), **{(m.vocab, LM_HEAD_INPUTS): f"{m.name} lm_head" for m in MODELS},
+          # the `odd` preset's layers (qkv, gate_up, down, lm head): widths that are no multiple of 64
+          (280, 200): "odd qkv", (1040, 200): "odd gate_up", (200, 520): "odd down", (4100, 200): "odd lm_head"}
 
 
 @contextmanager
@@ -74,7 +77,7 @@ def test_linear_at_real_widths_and_thread_counts(shape):
     weight64 = weight.double()
     del weight
     # a decode-sized batch at every thread count, a prefill-sized one (row tiles and their tail) at two
-    for rows, counts in ((5, THREADS), (67, (3, 8))):
+    for rows, counts in ((5, LINEAR_THREADS), (67, (3, 8))):
         x = torch.randn(rows, k, generator=gen)
         # float64 products, compared in float32: the subtraction's rounding is far below the bound
         ref = F.linear(x.double(), weight64, None if bias is None else bias.double()).float()

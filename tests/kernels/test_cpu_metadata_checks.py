@@ -117,6 +117,17 @@ def test_a_sequence_in_two_groups_is_refused():
     _refused("sequence 1 is a member of groups 0 and 1", meta, q, k, v)
 
 
+def test_member_ranges_are_checked_before_any_member_is_read():
+    """A middle entry of member_start far past the members: refused before group 0's range (which it
+    would end) is walked."""
+    meta, q, k, v = _grouped()
+    c = meta.cascade
+    c.block_tables = torch.tensor([[1], [1]], dtype=torch.int32)
+    c.lens = torch.tensor([4, 4], dtype=torch.int32)
+    c.member_start = torch.tensor([0, 1 << 30, 2], dtype=torch.int32)
+    _refused("group_member_start must not decrease", meta, q, k, v)
+
+
 def test_a_group_block_outside_the_pool_is_refused():
     meta, q, k, v = _grouped()
     meta.cascade.block_tables = torch.tensor([[BLOCKS]], dtype=torch.int32)
