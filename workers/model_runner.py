@@ -269,11 +269,12 @@ class ModelRunner:
     def _throwaway_forward(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
                            positions: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
         """The model over token id 0 at ``positions`` against a pool of just the blocks ``tables``
-        name (freed after), and the logits of the last ``num_rows`` tokens (all by default)."""
+        name (freed after), and the logits of the last ``num_rows`` tokens (all by default); planned as
+        the engine's steps are (``deterministic`` included), so warm-up and profile run their kernels."""
         num_blocks = max(b for table in tables for b in table) + 1
         kv_caches = allocate_kv_pool(self.kv_spec, num_blocks, self.device)
         meta = PagedAttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device,
-                                            self.attention_backend)
+                                            self.attention_backend, self.config.deterministic)
         hidden = self.model(torch.zeros_like(positions), positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden[-(num_rows or len(positions)):])
         del kv_caches, hidden

@@ -66,7 +66,7 @@ class TritonAttentionBackend:
     Split counts are powers of two up to ``max_splits`` (each count is its own compiled variant),
     and a launch's splits times its tokens never pass the rows of the split-KV scratch: one buffer
     for every launch, allocated once (``prepare``, before the engine's memory profile, for
-    ``max_decodes x max_splits`` rows; else at the first split launch for ``default_scratch_rows``)."""
+    ``scratch_rows``; else, outside an engine, at the first launch for ``default_scratch_rows``)."""
 
     name = "triton"
     supports_cascade = False
@@ -104,17 +104,28 @@ class TritonAttentionBackend:
 
     # --- set-up ---------------------------------------------------------------------------------------
 
+    def scratch_rows(self, shape: AttentionShape) -> int:
+        """Rows of split-KV scratch an engine of ``shape`` needs: a launch of ``d`` decodes has ``d x
+        kv_heads`` programs and takes at most ``ceil(target_programs / (d x kv_heads))`` splits, so
+        ``d`` times that is at most ``target_programs / kv_heads + d`` rows; prefill launches take no
+        more splits than the scratch holds for their tokens (``num_splits``)."""
+        most = max(1, shape.max_decodes)
+        return min(most * self.max_splits, -(-self.target_programs // shape.kv_heads) + most)
+
     def prepare(self, shape: AttentionShape, device: torch.device) -> None:
-        """Allocate the split-KV scratch for ``shape`` on ``device`` (its most decodes, every split):
-        called before the engine's memory profile, whose peak then counts it."""
+        """Allocate the split-KV scratch for ``shape`` on ``device`` (``scratch_rows``): called before
+        the engine's memory profile, whose peak then counts it."""
         self.shape = shape
-        self.scratch = ops.SplitScratch(max(1, shape.max_decodes) * self.max_splits, shape.num_heads,
-                                        shape.head_dim, device)
+        self.scratch = ops.SplitScratch(self.scratch_rows(shape), shape.num_heads, shape.head_dim, device)
 
     def _scratch(self, query: torch.Tensor) -> ops.SplitScratch:
         num_heads, head_dim = query.shape[1], query.shape[2]
-        if self.scratch is None or not self.scratch.fits(num_heads, head_dim, query.device):
-            self.scratch = ops.SplitScratch(self.default_scratch_rows, num_heads, head_dim, query.device)
+        if self.scratch is not None and self.scratch.fits(num_heads, head_dim, query.device):
+            return self.scratch
+        if self.shape is not None:  # a new buffer would leave CUDA graphs captured over the old one reading freed memory
+            raise ValueError(f"triton attention was prepared for {self.shape.num_heads} heads of size "
+                             f"{self.shape.head_dim}, not {num_heads} of size {head_dim}")
+        self.scratch = ops.SplitScratch(self.default_scratch_rows, num_heads, head_dim, query.device)
         return self.scratch
 
     # --- planning ---------------------------------------------------------------------------------------

@@ -312,8 +312,8 @@ def paged_attention_launch(
 ) -> None:
     """Attend the tiles (``tile_seq``, ``tile_q``) of one launch, writing ``out`` rows
     [token_begin, token_begin + num_tokens); ``num_splits`` > 1 splits each tile's keys and merges
-    through ``scratch`` (which must hold ``num_splits * num_tokens`` rows; one of this launch's size
-    is allocated when it is None). ``use_dot=False`` takes the products as multiplies and sums
+    through ``scratch`` (which must hold ``num_splits * num_tokens`` rows; unused, and may be None,
+    without splits). ``use_dot=False`` takes the products as multiplies and sums
     instead of ``tl.dot``: under the interpreter ``tl.dot`` is numpy's BLAS, whose result for a query
     row depends on the row's place in the tile, which batch-invariant attention (``deterministic``)
     cannot have (and which misreads bfloat16, so bfloat16 takes the sums there too)."""
@@ -323,11 +323,10 @@ def paged_attention_launch(
     head_p2 = _p2(head_dim, 16)  # tl.dot takes operands of 16 or more along every axis
     _check_last_axis(query=query, k_pool=k_pool, v_pool=v_pool, out=out)
     if num_splits > 1:
-        if scratch is None:
-            scratch = SplitScratch(num_splits * num_tokens, num_heads, head_dim, out.device)
-        if scratch.rows < num_splits * num_tokens or not scratch.fits(num_heads, head_dim, out.device):
-            raise ValueError(f"split-KV scratch of {scratch.rows} rows x {scratch.num_heads} heads x {scratch.head_p2} "
-                             f"for {num_splits} splits of {num_tokens} tokens x {num_heads} heads x {head_dim}")
+        if scratch is None or scratch.rows < num_splits * num_tokens or not scratch.fits(num_heads, head_dim, out.device):
+            have = f"{scratch.rows} rows x {scratch.num_heads} heads x {scratch.head_p2}" if scratch else "none"
+            raise ValueError(f"split-KV scratch of {have} for {num_splits} splits of {num_tokens} tokens x "
+                             f"{num_heads} heads x {head_dim}")
         part, part_m, part_l = scratch.part, scratch.part_m, scratch.part_l
     else:
         part = part_m = part_l = out  # unused

@@ -78,8 +78,9 @@ def test_the_batch_invariant_linear_is_the_same_row_for_row(dtype):
 def test_attention_rows_do_not_depend_on_the_batch_under_deterministic():
     """One sequence's query rows (20 tokens after a 40-token prefix, GQA 4:1) computed alone in one
     chunk, beside decodes and another prefill, and as a 5-token chunk: the same bits under
-    ``deterministic``; the default plan (tiles sized per launch, keys split by the launch's size,
-    tl.dot) gives different bits for the same rows, and so does an engine's split plan on a GPU."""
+    ``deterministic``; without it the plan (tiles sized per launch, keys split by the launch's size,
+    tl.dot) gives different bits for the same rows: shown with a backend that splits the keys by
+    layout here, as an engine's does on a GPU (its 8 target programs split none of these launches)."""
     import math
 
     from kernels import PagedAttentionMetadata, paged_attention

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels.triton.backend import TritonAttentionBackend
+from kernels.triton.backend import AttentionShape, TritonAttentionBackend
 from kernels.triton.warmup import (
     attention_launches,
     distinct,
@@ -72,7 +72,10 @@ def test_split_launches_use_the_scratch_allocated_at_start(model_dirs):
     with LLM(model=model_dirs["llama"], **SETTINGS) as llm:
         backend = llm.core.executor.worker.runner.attention_backend
         scratch = backend.scratch  # allocated by the runner at its start, before any forward
-        assert scratch is not None and scratch.rows == 4 * backend.max_splits  # max_num_seqs decodes x splits
+        kv_heads = llm.core.executor.worker.runner.kv_spec.num_kv_heads
+        # a launch of d decodes splits at most ceil(target_programs / (d x kv_heads)) ways: at most
+        # target_programs / kv_heads + d rows, here 8 / 2 + 4 (max_num_seqs)
+        assert scratch is not None and scratch.rows == -(-backend.target_programs // kv_heads) + 4 == 8
         heads = llm.core.executor.worker.runner.config.model.hf_config["num_attention_heads"]
         assert scratch.part.numel() == scratch.rows * heads * scratch.head_p2
         backend.min_split_tiles = 1  # split these short contexts too (2 key tiles: 2 splits)
@@ -84,6 +87,18 @@ def test_split_launches_use_the_scratch_allocated_at_start(model_dirs):
     assert split and all(launch.args[4] is scratch.part for launch in split
                          if launch.name == "_paged_attention_kernel")
     assert all(launch.args[1] is scratch.part for launch in split if launch.name == "_merge_splits_kernel")
+
+
+def test_the_scratch_holds_every_decode_launch_without_capping_its_splits():
+    """scratch_rows bounds what the planner wants for any number of decodes (an H100's 264 target
+    programs, 8 KV heads, 256 decodes at a 128k context): decodes never lose splits to the scratch."""
+    backend = TritonAttentionBackend(target_programs=264, min_split_tiles=4, max_splits=32)
+    shape = AttentionShape(dtype=torch.float16, num_heads=32, kv_heads=8, head_dim=128, block_size=16,
+                           max_decodes=256, max_model_len=131072)
+    rows = backend.scratch_rows(shape)
+    assert rows == 33 + 256  # 8192 rows were allocated before: max_decodes x max_splits
+    assert max(backend.num_splits(d, 8, 131072, d) * d for d in range(1, 257)) <= rows
+    assert backend.num_splits(1, 8, 131072, 1) == 32  # one decode still takes every split
 
 
 def test_split_counts_are_powers_of_two_within_the_scratch():
