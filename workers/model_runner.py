@@ -90,14 +90,12 @@ class ModelRunner:
     def measure_graph_memory(self) -> int | None:
         """Before the KV pool is sized: capture the decode buckets over a one-block throwaway pool and
         release them, answering the device memory they took (``DecodeGraphs.memory_bytes``; 0 if the
-        capture raised: then the real one is held to nothing and runs eagerly), or None where graphs
+        capture raised: then no real capture is tried and every step runs eagerly), or None where graphs
         will not be captured. The padding rows the capture runs read block 0 and write nothing."""
         if self.graphs_unavailable() is not None:
             return None
         kv_caches = allocate_kv_pool(self.kv_spec, 1, self.device)
-        graphs = DecodeGraphs(self.model, kv_caches, self.attention_backend, graph_batch_sizes(self._max_decodes()),
-                              -(-self.config.max_model_len // self.block_size), self.config.max_model_len,
-                              self.config.deterministic, self.device, capture=True)
+        graphs = self._decode_graphs(kv_caches, graph_batch_sizes(self._max_decodes()), capture=True)
         try:
             graphs.capture()
             measured = graphs.memory_bytes
@@ -108,6 +106,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         return measured
+
+    def _decode_graphs(self, kv_caches, sizes: list[int], capture: bool) -> DecodeGraphs:
+        """The decode buckets ``sizes`` over ``kv_caches``, planned for ``max_model_len`` contexts."""
+        return DecodeGraphs(self.model, kv_caches, self.attention_backend, sizes,
+                            -(-self.config.max_model_len // self.block_size), self.config.max_model_len,
+                            self.config.deterministic, self.device, capture)
 
     def capture_graphs(self, capture: bool | None = None, sizes: list[int] | None = None,
                        budget: int | None = None) -> bool:
@@ -125,14 +129,14 @@ class ModelRunner:
                 return False
             capture = True
         sizes = sizes or graph_batch_sizes(self._max_decodes())
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.attention_backend, sizes,
-                              -(-self.config.max_model_len // self.block_size), self.config.max_model_len,
-                              self.config.deterministic, self.device, capture)
-        error = None
-        try:
-            graphs.capture()
-        except Exception as exc:  # noqa: BLE001 (any capture failure: warn, run eagerly)
-            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        graphs = self._decode_graphs(self.kv_caches, sizes, capture)
+        # a budget of 0: the capture at start (measure_graph_memory) failed, and the pool left nothing
+        error = "their capture at start failed" if budget == 0 else None
+        if error is None:
+            try:
+                graphs.capture()
+            except Exception as exc:  # noqa: BLE001 (any capture failure: warn, run eagerly)
+                error = f"{type(exc).__name__}: {exc}".splitlines()[0]
         if error is None and budget is not None and graphs.memory_bytes > budget:
             error = (f"the graphs took {graphs.memory_bytes / 2**20:.0f} MiB, more than the {budget / 2**20:.0f} "
                      f"MiB the KV budget left them")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -98,10 +99,14 @@ def variant_key(kernel, args: tuple, constexprs: dict) -> tuple:
 @contextlib.contextmanager
 def record_launches(dry: bool = False) -> Iterator[list[Launch]]:
     """Record every Triton launch of the ops inside the block (with its variant key); ``dry``: record
-    only, launch nothing (the enumeration runs over meta tensors)."""
+    only, launch nothing (the enumeration runs over meta tensors). Only this thread's launches: another
+    thread's (an engine stepping beside a warm-up) run as usual and are not recorded."""
     launches: list[Launch] = []
+    owner = threading.get_ident()
 
     def hook(kernel, grid, args, constexprs):
+        if threading.get_ident() != owner:
+            return None
         launches.append(Launch(kernel, grid, args, dict(constexprs), variant_key(kernel, args, constexprs)))
         return not dry
 

@@ -7,6 +7,8 @@ buffer the engine allocated at start, whatever the step; split counts are powers
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -135,3 +137,21 @@ def test_the_layer_enumeration_is_what_the_model_launches(arch, model_dirs):
                                          deterministic=True))
     assert launched == set(enumerated), (_describe([enumerated[k] for k in set(enumerated) - launched]),
                                          sorted(map(str, launched - set(enumerated))))
+
+
+def test_a_dry_recording_skips_only_its_own_threads_launches():
+    """A warm-up's dry run (record, launch nothing) beside another thread's work: that thread's
+    kernels run and are not recorded."""
+    from kernels.triton import ops
+
+    x = torch.randn(3, 64)
+    want = torch.nn.functional.silu(x[:, :32]) * x[:, 32:]
+    got = {}
+    with record_launches(dry=True) as recorded:
+        worker = threading.Thread(target=lambda: got.setdefault("out", ops.silu_and_mul(x)))
+        worker.start()
+        worker.join()
+        skipped = ops.silu_and_mul(x)  # this thread's: recorded, not run (its output never written)
+    torch.testing.assert_close(got["out"], want, rtol=1e-5, atol=1e-6)
+    assert [launch.name for launch in recorded] == ["_silu_and_mul_kernel"]
+    assert skipped.shape == want.shape
