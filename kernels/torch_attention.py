@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from kernels.metadata import PagedAttentionMetadata
 
@@ -133,6 +132,10 @@ def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     if key.shape[0] == q_len:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:  # a chunk after a cached prefix: query i sees keys 0 .. prefix + i
+        # imported here: torch.nn.attention.bias imports torch._dynamo, about 2 s of every process's start
+        # (the compiled CPU kernels never come here; on CUDA the start-up profile's chunk does, before ready)
+        from torch.nn.attention.bias import causal_lower_right
+
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, key.shape[0]), scale=scale)
     return o[0].transpose(0, 1)
 

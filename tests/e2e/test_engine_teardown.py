@@ -35,7 +35,7 @@ def _alive(refs) -> int:
 @pytest.mark.parametrize("arch,backend,shutdown", [
     ("llama", "torch", True), ("opt", "auto", True), ("qwen2", "torch", False), ("opt", "torch", False)])
 def test_an_engine_that_goes_frees_its_weights_and_pool(model_dirs, arch, backend, shutdown):
-    """Shut down and dropped, or dropped without a shutdown (which would unfreeze)."""
+    """Shut down and dropped, or dropped without a shutdown; nothing is unfrozen either way."""
     llm = LLM(model_dirs[arch], num_kv_blocks=32, max_model_len=64, attention_backend=backend)
     assert gc.get_freeze_count() > 0  # start-up's objects are frozen
     llm.generate(PROMPT, GREEDY)
