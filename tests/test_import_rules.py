@@ -83,3 +83,12 @@ def test_kernels_have_no_import_cycle():
     for name in graph:
         if name not in state:
             visit(name, [name])
+
+
+def test_starting_an_engine_process_does_not_import_torch_dynamo():
+    """torch._dynamo (imported by torch.nn.attention.bias, torch.compile, ...) adds about 2 s to the
+    start of every process that imports it: engines, Ray rank actors, Serve replicas."""
+    code = ("import sys, engine, kernels, workers.executor, workers.worker, cluster.scheduler_actor, "
+            "cluster.worker_actor; print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
