@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.graph_agreement import graph_vs_eager, greedy
+
 DEFAULT_BATCHES = (1, 8, 64, 256)
 
 
@@ -130,18 +132,12 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _greedy(max_tokens: int):
-    from engine import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def decode_step_times(llm, prompts: list[list[int]], steps: int) -> float:
     """Median seconds of a decode step with ``len(prompts)`` sequences running (prefills done first)."""
     core = llm.core
     ids = [f"decode-{len(prompts)}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
-        core.add_request(request_id, prompt, _greedy(steps + 4))
+        core.add_request(request_id, prompt, greedy(steps + 4))
     started: set[str] = set()
     while len(started) < len(prompts):
         started.update(out.request_id for out in core.step() if out.outputs[0].token_ids)
@@ -161,7 +157,7 @@ def prefill_rate(llm, prompts: list[list[int]]) -> float:
     """Prompt tokens per second over distinct prompts, one output token each."""
     llm.reset_prefix_cache()
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(1))
+    llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(1))
     return sum(map(len, prompts)) / (time.perf_counter() - start)
 
 
@@ -266,59 +262,18 @@ def agreement_prompts(args, corpus: list[int]) -> list[list[int]]:
     return [corpus[(i * 3571) % span:(i * 3571) % span + args.prompt_len] for i in range(args.agreement_prompts)]
 
 
-def graph_vs_eager(llm, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Greedy generation of ``prompts`` in which every decode step that runs through a CUDA-graph bucket
-    is also run eagerly on the same inputs first (the model called directly with the step's own
-    metadata and launch plan), the replay's output driving the generation: per decoding sequence and
-    step, whether the two argmax tokens agree, and the largest logit difference. Both runs write the
-    step's K/V to the same slots, the replay last, so every step reads the history the graphs made.
-    On CPU the buckets run the model eagerly over their buffers (``capture_graphs(capture=False)``):
-    the same comparison of the bucket path and the plain step."""
-    import torch
-
-    runner = llm.core.executor.worker.runner
-    graphs = runner.graphs
-    if graphs is None:
-        raise ValueError("graph_vs_eager: the engine has no CUDA-graph buckets")
-    stats = {"steps": 0, "positions": 0, "agreeing": 0, "identical_logits": 0, "max_logit_diff": 0.0,
-             "max_abs_logit": 0.0}
-    replay = graphs.run
-
-    def compared(input_ids, positions, meta, bs):
-        eager = runner.model.compute_logits(runner.model(input_ids, positions, runner.kv_caches, meta)).float()
-        hidden = replay(input_ids, positions, meta, bs)
-        graphed = runner.model.compute_logits(hidden).float()
-        diff = (graphed - eager).abs().amax(-1)
-        stats["steps"] += 1
-        stats["positions"] += graphed.shape[0]
-        stats["agreeing"] += int((graphed.argmax(-1) == eager.argmax(-1)).sum())
-        stats["identical_logits"] += int((diff == 0).sum())
-        stats["max_logit_diff"] = max(stats["max_logit_diff"], float(diff.max()))
-        stats["max_abs_logit"] = max(stats["max_abs_logit"], float(eager.abs().max()))
-        return hidden
-
-    graphs.run = compared
-    try:
-        with torch.inference_mode():
-            llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(new_tokens))
-    finally:
-        graphs.run = replay
-    stats["agreement"] = stats["agreeing"] / max(1, stats["positions"])
-    return stats
-
-
 def backend_agreement(model_dir: str, reference: str, other: str, args, device: str, dtype: str,
                       corpus: list[int]) -> dict:
     """Greedy tokens of ``reference``, and the share of them ``other`` predicts teacher-forced."""
     prompts = agreement_prompts(args, corpus)
     with _engine(model_dir, reference, args, device, dtype) as llm:
         outputs = [o.outputs[0].token_ids for o in
-                   llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(args.agreement_len))]
+                   llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(args.agreement_len))]
     _free(device)
     forced = [(p + out[:k], out[k]) for p, out in zip(prompts, outputs) for k in range(len(out))]
     with _engine(model_dir, other, args, device, dtype) as llm:
         predicted = [o.outputs[0].token_ids[0] for o in
-                     llm.generate([{"prompt_token_ids": ids} for ids, _ in forced], _greedy(1))]
+                     llm.generate([{"prompt_token_ids": ids} for ids, _ in forced], greedy(1))]
     _free(device)
     agree = sum(p == want for p, (_, want) in zip(predicted, forced))
     return {"reference": reference, "other": other, "positions": len(forced), "agreeing": agree,

@@ -28,11 +28,21 @@ class TritonLayerOps:
     linear_fixed_order = staticmethod(linear_batch_invariant)
 
 
+def attention_tiles(seqs: range, query_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
+    """(sequence, first query token) of every tile of ``block_q`` query tokens of ``seqs``."""
+    tile_seq, tile_q = [], []
+    for s in seqs:
+        for q in range(0, query_lens[s], block_q):
+            tile_seq.append(s)
+            tile_q.append(q)
+    return tile_seq, tile_q
+
+
 class _Launch:
     """One kernel launch of a step: its tiles on the device and how its keys are split."""
 
     def __init__(self, seqs: range, meta: PagedAttentionMetadata, block_q: int, num_splits: int) -> None:
-        tile_seq, tile_q = ops.attention_tiles(seqs, meta.query_lens, block_q)
+        tile_seq, tile_q = attention_tiles(seqs, meta.query_lens, block_q)
         device = meta.query_start_loc.device
         self.tile_seq = torch.tensor(tile_seq, dtype=torch.int32).to(device, non_blocking=True)
         self.tile_q = torch.tensor(tile_q, dtype=torch.int32).to(device, non_blocking=True)

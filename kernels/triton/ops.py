@@ -274,16 +274,6 @@ def _check_last_axis(**tensors: torch.Tensor) -> None:
             raise ValueError(f"triton attention: {name} needs a contiguous last axis (strides {tuple(t.stride())})")
 
 
-def attention_tiles(seqs: range, query_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
-    """(sequence, first query token) of every tile of ``block_q`` query tokens of ``seqs``."""
-    tile_seq, tile_q = [], []
-    for s in seqs:
-        for q in range(0, query_lens[s], block_q):
-            tile_seq.append(s)
-            tile_q.append(q)
-    return tile_seq, tile_q
-
-
 class SplitScratch:
     """The split-KV partial results of one launch: ``rows`` (launch token, split) pairs of every
     query head, float32 (the partial outputs padded to ``head_p2``, their running max and sum). One

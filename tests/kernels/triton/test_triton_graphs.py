@@ -70,10 +70,10 @@ def test_decode_buckets_match_hf_and_the_eager_path(arch, model_dirs, hf_oracle)
 
 
 def test_bench_gpu_compares_graph_replays_with_eager_steps_of_the_same_engine(model_dirs):
-    """``kvserve bench-gpu``'s graphs-vs-eager check (``benchmarks.gpu_bench.graph_vs_eager``), its
+    """``kvserve bench-gpu``'s graphs-vs-eager check (``benchmarks.graph_agreement.graph_vs_eager``), its
     plumbing on CPU: every decode step through a bucket is also run eagerly on the same inputs, their
     logits compared; a bucket path that computes something else shows in the figures."""
-    from benchmarks.gpu_bench import graph_vs_eager
+    from benchmarks.graph_agreement import graph_vs_eager
 
     prompts = [p[:20] for p in make_prompts(model_dirs["llama"])[2:5]]
     with LLM(model=model_dirs["llama"], **SETTINGS) as llm:
