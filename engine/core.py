@@ -83,11 +83,8 @@ class EngineCore:
         # ranks compute), so that other threads (stats, the router's hash report) read them whole
         self.lock = threading.RLock()
         # what start-up made (model, tokenizer, the pool's bookkeeping) lives as long as the engine:
-        # out of the collector's sight, the collections that steps trigger stay short. A frozen
-        # reference cycle is never freed, so what start-up makes has none that holds the model (the
-        # parameters' loaders are weak: ``workers.weight_loader.WeakLoader``; tests/e2e/test_engine_teardown.py
-        # checks that a torn-down engine's parameters and pool are collected). Not unfreezing at shutdown
-        # keeps the next engine's collection short (a process-wide unfreeze cost every later start 0.1 s)
+        # out of the collector's sight, the collections that steps trigger stay short (a frozen cycle is
+        # never freed: none holds the model, see ``workers.weight_loader.WeakLoader``)
         gc.collect()
         gc.freeze()
 
