@@ -49,14 +49,22 @@ SOURCES = tuple(Path(__file__).parent / name for name in (
 _ARM = platform.machine().lower() in ("arm64", "aarch64")
 
 
+def target_arch() -> str:
+    """The CPU the code is built for: ``native`` (this machine's), or the target ``$KVSERVE_CPU_ARCH``
+    names (``x86-64-v3`` for AVX2 without AVX-512, say: one build for a cluster's older nodes, or the
+    tests' second build)."""
+    return os.environ.get("KVSERVE_CPU_ARCH", "").strip() or "native"
+
+
 def cflags() -> tuple[str, ...]:
-    """The compiler flags: for this machine's CPU (``-march=native``; ``-mcpu=native`` on ARM, which GCC
-    and clang both take there), or for the target ``$KVSERVE_CPU_ARCH`` names (``x86-64-v3`` for AVX2
-    without AVX-512, say: one build for a cluster's older nodes, or the tests' second build). The
-    stack protector turns a write past a kernel's stack arrays into an abort instead of corruption."""
-    arch = os.environ.get("KVSERVE_CPU_ARCH", "").strip() or "native"
+    """The compiler flags, for ``target_arch()`` (``-march``; ``-mcpu`` on ARM, which GCC and clang both
+    take there). The stack protector turns a write past a kernel's stack arrays into an abort instead of
+    corruption."""
+    arch = target_arch()
     return ("-O3", f"-mcpu={arch}" if _ARM else f"-march={arch}", "-fno-math-errno", "-ffp-contract=fast",
             "-fstack-protector-strong")
+
+
 _OPENMP_NAME = re.compile(r"^lib(gomp|omp|iomp5)\b.*\.(so(\.\d+)*|dylib)$")
 
 _lock = threading.Lock()
@@ -139,9 +147,9 @@ def build_dir() -> Path:
     for source in SOURCES:
         digest.update(source.read_bytes())
     runtime = openmp_runtime()
-    # the machine's instruction sets matter where the code is built for it (-march=native), not for a
-    # named target: nodes of one target share its build whatever else their CPUs have
-    native = not os.environ.get("KVSERVE_CPU_ARCH", "").strip()
+    # the machine's instruction sets matter where the code is built for it (native, named or not), not
+    # for a named target: nodes of one target share its build whatever else their CPUs have
+    native = target_arch() == "native"
     for part in (*cflags(), torch.__version__, sys.version, _cpu_flags() if native else "",
                  runtime.name if runtime else "-fopenmp"):
         digest.update(part.encode())

@@ -231,12 +231,10 @@ def compile_for_target(launch: Launch, target):
 def runner_shape(runner) -> AttentionShape:
     """The attention shape of a ``workers.model_runner.ModelRunner``'s configuration (its rank)."""
     config, spec = runner.config, runner.kv_spec
-    sched = config.scheduler
     return AttentionShape(
         dtype=runner.dtype, num_heads=config.model.hf_config["num_attention_heads"] // runner.tp.size,
         kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, block_size=runner.block_size,
-        max_decodes=min(sched.max_num_seqs, sched.max_num_batched_tokens), max_model_len=config.max_model_len,
-        deterministic=config.deterministic)
+        max_decodes=runner._max_decodes(), max_model_len=config.max_model_len, deterministic=config.deterministic)
 
 
 def prepare_runner(runner) -> None:

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import naive_causal_attention, naive_rms_norm, naive_rotary
+from kernels.reference import naive_rms_norm, naive_rotary
 from tests.compiled import cpu_backend_or_skip
 from tests.kernels.model_shapes import MODELS, linear_shapes
-from tests.kernels.test_cpu_attention import Pool, plan_for, run, shared_batch
+from tests.kernels.test_cpu_attention import Pool, attend, plan_for, run, shared_batch
 from workers.layers.kernels import _transposed_layout
 
 CPU = cpu_backend_or_skip()
@@ -194,15 +194,6 @@ def test_half_precision_shared_prefix_attention(model, dtype):
     cascade = plan_for(specs, tables, 8)
     for t in (1, 3, 8):
         with threads(t):
-            _, out = run(pool, specs, tables, model.heads, cascade=cascade, dtype=dtype, seed=t)
-        gen = torch.Generator().manual_seed(t)  # run()'s queries, drawn again for the reference
-        num_tokens = sum(q for q, _ in specs)
-        query = torch.randn(num_tokens, model.heads + 2 * model.kv_heads, model.head_dim, generator=gen).to(dtype)
-        refs, start = [], 0
-        for (q, s), table in zip(specs, tables):
-            k, v = pool.context(table, s)
-            refs.append(naive_causal_attention(query[start:start + q, :model.heads].double(), k.double(), v.double(),
-                                               1 / math.sqrt(model.head_dim)))
-            start += q
+            out, ref = attend(pool, specs, tables, model.heads, cascade=cascade, dtype=dtype, seed=t)
         floor = 0.5 * torch.finfo(dtype).eps * pool.v.float().nan_to_num().abs().max().item()
-        assert_within_ulps(out, torch.cat(refs), 1.5, floor)
+        assert_within_ulps(out, ref, 1.5, floor)
