@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from collections import Counter
 
+from benchmarks.mixed_load import MixedLoad
 from benchmarks.chaos import Load, _outcomes, _settled_stats, _write, add_common_arguments, app_args, start_app, stop_app
 
 
@@ -18,6 +20,9 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=float, default=None,
                         help="seconds of load before the RSS baseline (default: 10%% of the run, at most 60)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--load", choices=("mixed", "completions"), default="mixed",
+                        help="mixed (default): completions and chat, unary and streamed, a fifth of the streams "
+                        "cut after their first chunk (benchmarks/mixed_load.py); completions: chaos's load")
 
 
 def _processes(root: int) -> dict[int, str]:
@@ -74,8 +79,8 @@ def rss_snapshot() -> dict[int, tuple[str, float]]:
 
 
 async def _soak(url: str, seconds: float, warmup: float, concurrency: int, max_tokens: int,
-                timeout: float) -> tuple[Load, dict, dict]:
-    load = Load(url, concurrency, max_tokens, timeout)
+                timeout: float, kind: str = "mixed") -> tuple[Load, dict, dict]:
+    load = (MixedLoad if kind == "mixed" else Load)(url, concurrency, max_tokens, timeout)
     load.start()
     try:
         await asyncio.sleep(warmup)
@@ -88,13 +93,14 @@ async def _soak(url: str, seconds: float, warmup: float, concurrency: int, max_t
 
 
 def run_soak(model: str | None = None, minutes: float = 10.0, warmup: float | None = None, concurrency: int = 4,
-             max_tokens: int = 16, timeout: float = 60.0, tensor_parallel_size: int = 1, **app_args) -> dict:
+             max_tokens: int = 16, timeout: float = 60.0, tensor_parallel_size: int = 1, load_kind: str = "mixed",
+             **app_args) -> dict:
     seconds = minutes * 60
     warmup = min(60.0, 0.1 * seconds) if warmup is None else warmup
     url = start_app(model, tensor_parallel_size, **app_args)
     try:
         print(f"[soak] {warmup:.0f}s of warm-up, then {seconds:.0f}s of load at concurrency {concurrency}", flush=True)
-        load, baseline, end = asyncio.run(_soak(url, seconds, warmup, concurrency, max_tokens, timeout))
+        load, baseline, end = asyncio.run(_soak(url, seconds, warmup, concurrency, max_tokens, timeout, load_kind))
         stats = _settled_stats()
     finally:
         stop_app()
@@ -105,10 +111,11 @@ def run_soak(model: str | None = None, minutes: float = 10.0, warmup: float | No
                               "rss_end_mb": round(end[pid][1], 1), "growth_mb": round(end[pid][1] - rss, 1)})
     measured = [r for r in load.records if r.start >= load.records[0].start + warmup] if load.records else []
     report = {
-        "minutes": minutes, "warmup_s": warmup, "concurrency": concurrency, "max_tokens": max_tokens,
+        "minutes": minutes, "load": load_kind, "warmup_s": warmup, "concurrency": concurrency, "max_tokens": max_tokens,
         "tensor_parallel_size": tensor_parallel_size,
         "requests": len(load.records), "requests_ok": sum(r.ok for r in load.records),
         "errors": sum(not r.ok for r in load.records), "outcomes": _outcomes(load.records),
+        "ok_by_kind": dict(Counter(r.code or ("stream" if r.stream else "unary") for r in load.records if r.ok)),
         "requests_per_s": round(len(measured) / seconds, 2) if seconds else None,
         "processes": processes,
         "max_growth_mb": max((p["growth_mb"] for p in processes), default=None),
@@ -131,6 +138,6 @@ def run_soak(model: str | None = None, minutes: float = 10.0, warmup: float | No
 
 def run_soak_command(args: argparse.Namespace) -> int:
     report = run_soak(args.model, args.minutes, args.warmup, args.concurrency, args.max_tokens, args.timeout,
-                      args.tensor_parallel_size, **app_args(args.app_arg))
+                      args.tensor_parallel_size, args.load, **app_args(args.app_arg))
     _write(report, args.out)
     return 0

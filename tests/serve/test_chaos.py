@@ -27,6 +27,10 @@ def test_soak_reports_every_process_errors_and_blocks(model_dirs, tmp_path):
     report = json.loads(out.read_text())
     assert report["requests"] > 0 and report["requests_ok"] == report["requests"]
     assert report["errors"] == 0 and report["outcomes"] == {"ok": report["requests"]}
+    # the mixed load (the default): every kind ran, the streams cut after their first chunk included
+    assert report["load"] == "mixed" and set(report["ok_by_kind"]) == {
+        "completion", "completion_stream", "chat", "chat_stream", "completion_stream_cut"}
+    assert sum(report["ok_by_kind"].values()) == report["requests"]
     assert report["num_blocks_in_use_at_end"] == 0 and report["num_requests_running_at_end"] == 0
     names = {p["name"] for p in report["processes"]}
     assert {"ray::SchedulerActor", "ray::ServeReplica:kvserve:LLMServer", "ray::ServeReplica:kvserve:Ingress",
