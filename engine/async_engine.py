@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 Sink = Callable[["RequestOutput | BaseException"], None]
 
+# what clients read when the engine fails in a way no single request explains (details in the log)
+STEP_FAILED = "the engine failed while running its requests"
+ADD_FAILED = "the engine failed while admitting this request"
+
 
 class AsyncLLM:
     """``max_waiting_requests``: requests admitted but not yet running beyond which ``generate``
@@ -163,28 +167,57 @@ class AsyncLLM:
         sink(item)
 
     def _apply_commands(self) -> None:
+        """Apply the queued adds and aborts. Each command is guarded alone: an add that raises fails
+        that request (its sink gets the error: a ValueError as it is, anything else as one clean
+        sentence, the details in the log); an abort that raises is logged and its request still
+        ends. Nothing here can stop the step loop or drop the rest of the batch."""
         commands, self._commands = self._commands, []
         for command in commands:
             if command[0] == "add":
-                _, request_id, text, token_ids, params, cache_salt, grammar = command
-                if request_id not in self._sinks:
-                    continue  # aborted before it started
-                try:
-                    self.core.add_processed_request(request_id, text, token_ids, params, cache_salt=cache_salt,
-                                                    grammar=grammar)
-                except ValueError as exc:
-                    self._deliver(request_id, exc)
+                self._apply_add(command)
             else:
-                output = self.core.abort_request(command[1])
-                if output is not None:
-                    self._deliver(command[1], output)  # ends the stream with finish_reason "abort"
-                else:
-                    self._sinks.pop(command[1], None)
+                self._apply_abort(command[1])
+
+    def _apply_add(self, command: tuple) -> None:
+        _, request_id, text, token_ids, params, cache_salt, grammar = command
+        if request_id not in self._sinks:
+            return  # aborted before it started
+        try:
+            self.core.add_processed_request(request_id, text, token_ids, params, cache_salt=cache_salt,
+                                            grammar=grammar)
+        except ValueError as exc:
+            self._deliver(request_id, exc)
+        except Exception:  # noqa: BLE001 - this request fails, not the batch
+            logger.exception("adding request %r to the engine failed", request_id)
+            self._discard(request_id)
+            self._deliver(request_id, RequestFailedError(ADD_FAILED))
+
+    def _apply_abort(self, request_id: str) -> None:
+        try:
+            output = self.core.abort_request(request_id)
+        except Exception:  # noqa: BLE001 - the request is still removed
+            logger.exception("aborting request %r failed; removing it", request_id)
+            self._discard(request_id)
+            output = None
+        if request_id not in self._sinks:
+            return
+        if output is None:  # not (or no longer) in the engine: still end its stream, so nothing waits on it
+            output = RequestOutput(request_id, None, [], [], True)
+        self._deliver(request_id, output)  # ends the stream with finish_reason "abort"
+
+    def _discard(self, request_id: str) -> None:
+        try:
+            self.core.discard_request(request_id)
+        except Exception:  # noqa: BLE001
+            logger.exception("removing request %r from the engine failed", request_id)
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            self._apply_commands()
+            try:
+                self._apply_commands()
+            except Exception:  # noqa: BLE001 - cannot happen (every command is guarded); never die
+                logger.exception("applying the queued requests failed")
             if not self.core.has_unfinished_requests():
                 self._wakeup.clear()
                 if not self._commands:
@@ -194,8 +227,7 @@ class AsyncLLM:
                 outputs = await loop.run_in_executor(self._step_thread, self.core.step)
             except Exception as exc:
                 logger.exception("engine step failed")
-                self._fail_all(exc if isinstance(exc, EngineDeadError) else
-                               EngineDeadError(f"engine step failed: {exc!r}"))
+                self._fail_all(exc if isinstance(exc, EngineDeadError) else EngineDeadError(STEP_FAILED))
                 continue
             for output in outputs:
                 self._deliver(output.request_id, output)
@@ -203,7 +235,11 @@ class AsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._sinks):
-            self.core.abort_request(request_id)
+            try:
+                self.core.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - every sink still gets the error
+                logger.exception("aborting request %r failed; removing it", request_id)
+                self._discard(request_id)
             self._deliver(request_id, error)
 
     def stats(self) -> dict:

@@ -211,6 +211,17 @@ class EngineCore:
             self.scheduler.finish_requests(self.outputs.sample_ids_of(request_id), RequestStatus.FINISHED_ABORTED)
             return self.outputs.abort(request_id)
 
+    def discard_request(self, request_id: str) -> None:
+        """Remove whatever the engine holds of a request whose add or abort raised midway (its
+        samples and their blocks, its output state), whatever state that left."""
+        with self.lock:
+            prefix = request_id + "#"
+            samples = [s for s in self.scheduler.requests if s.startswith(prefix) and s[len(prefix):].isdigit()]
+            self.scheduler.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
+            if self.outputs.requests.get(request_id) is not None:
+                self.outputs._end(request_id, "abort")
+                self.outputs.requests.pop(request_id, None)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
