@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import FLOAT32_MIN_NORMAL, MAX_LOGPROBS, format_bound
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -35,11 +35,11 @@ INT_RANGES: dict[str, tuple[int, int]] = {
 # field -> (lowest, highest, lowest excluded); the highest is included, NaN and infinities never are
 FLOAT_RANGES: dict[str, tuple[float, float, bool]] = {
     "temperature": (0.0, MAX_TEMPERATURE, False),
-    "top_p": (0.0, 1.0, True),
+    "top_p": (FLOAT32_MIN_NORMAL, 1.0, False),  # float32 on the workers: smaller underflows
     "min_p": (0.0, 1.0, False),
     "presence_penalty": (-2.0, 2.0, False),
     "frequency_penalty": (-2.0, 2.0, False),
-    "repetition_penalty": (0.0, MAX_REPETITION_PENALTY, True),
+    "repetition_penalty": (FLOAT32_MIN_NORMAL, MAX_REPETITION_PENALTY, False),
 }
 
 
@@ -61,7 +61,8 @@ def check_float(name: str, value: float) -> None:
     low, high, low_open = FLOAT_RANGES[name]
     opening = "(" if low_open else "["
     if not (math.isfinite(value) and (low < value if low_open else low <= value) and value <= high):
-        raise ValueError(f"{name} must be a finite number in {opening}{low:g}, {high:g}], got {value}")
+        raise ValueError(f"{name} must be a finite number in {opening}{format_bound(low)}, {format_bound(high)}], "
+                         f"got {value}")
 
 
 def valid_text(value: str) -> bool:

@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 
 from api import structured
 from api.limits import FLOAT_RANGES, INT_RANGES, TEXT_ERROR, valid_text
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams, format_bound
 
 
 def _checked_text(value: str) -> str:
@@ -44,7 +44,23 @@ def _float_range(name: str) -> Any:
 
 Text = Annotated[str, AfterValidator(_checked_text)]  # a str that UTF-8 can encode
 Int = {name: Annotated[int, _int_range(name)] for name in INT_RANGES}
-Float = {name: Annotated[float, _float_range(name)] for name in FLOAT_RANGES}
+def _float_type(name: str) -> Any:
+    """A float field of ``FLOAT_RANGES``; a lowest bound that pydantic would print as a long decimal
+    (the smallest normal float32 of ``top_p``) is checked here, its message naming it as typed."""
+    low, high, low_open = FLOAT_RANGES[name]
+    if low_open or format_bound(low) == f"{low:g}":
+        return Annotated[float, _float_range(name)]
+
+    def at_least(value: float) -> float:
+        if value < low:
+            raise PydanticCustomError("greater_than_equal", f"Input should be greater than or equal to "
+                                                            f"{format_bound(low)}")
+        return value
+
+    return Annotated[float, Field(le=high, allow_inf_nan=False), AfterValidator(at_least)]
+
+
+Float = {name: _float_type(name) for name in FLOAT_RANGES}
 
 
 class OpenAIBaseModel(BaseModel):

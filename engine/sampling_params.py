@@ -14,6 +14,15 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
+# the smallest normal float32: top_p and repetition_penalty reach the workers as float32, where a
+# smaller value becomes a subnormal or 0 (top_p 0 masks every token; a penalty of 0 divides by zero)
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+
+
+def format_bound(value: float) -> str:
+    """A range bound as a client can type it back: short where that is exact, else in full."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 def _is_int(value) -> bool:
@@ -145,12 +154,12 @@ class SamplingParams:
         def check_float(name: str, low: float, high: float, low_open: bool = False) -> None:
             value = getattr(self, name)
             ok = _is_number(value) and (low < value if low_open else low <= value) and value <= high
-            check(ok, f"{name} must be a finite number in {'(' if low_open else '['}{low:g}, {high:g}], "
-                      f"got {value!r}")
+            check(ok, f"{name} must be a finite number in {'(' if low_open else '['}{format_bound(low)}, "
+                      f"{format_bound(high)}], got {value!r}")
 
         check_int("n", 1, INT32_MAX)
         check_float("temperature", 0.0, MAX_TEMPERATURE)
-        check_float("top_p", 0.0, 1.0, low_open=True)
+        check_float("top_p", FLOAT32_MIN_NORMAL, 1.0)
         check(_is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
               f"top_k must be -1 or 0 (disabled) or an integer in [1, {INT32_MAX}], got {self.top_k!r}")
         check_float("min_p", 0.0, 1.0)
@@ -162,7 +171,7 @@ class SamplingParams:
         check_int("logprobs", 0, INT32_MAX, optional=True)  # the engine caps it (max_logprobs)
         check_float("presence_penalty", -2.0, 2.0)
         check_float("frequency_penalty", -2.0, 2.0)
-        check_float("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, low_open=True)
+        check_float("repetition_penalty", FLOAT32_MIN_NORMAL, MAX_REPETITION_PENALTY)
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         check(all(0 <= t <= INT32_MAX for t in self.stop_token_ids),
               f"stop_token_ids must hold token ids in [0, {INT32_MAX}]")

@@ -135,9 +135,18 @@ class Sampler:
                 seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
                 seen[torch.tensor(row.token_ids, device=logits.device)] = True
                 row_logits = logits[i]
-                penalised = torch.where(row_logits > 0, row_logits / p.repetition_penalty,
-                                        row_logits * p.repetition_penalty)
-                logits[i] = torch.where(seen, penalised, row_logits)
+                if p.repetition_penalty < 1.0:
+                    # dividing by a small penalty can pass float32's range (down to the smallest normal
+                    # float32 that validation allows): in float64, shifted so that the largest logit is
+                    # 0 (what follows is shift-invariant), so no logit becomes inf and none NaN
+                    row64 = row_logits.double()
+                    penalised = torch.where(seen, torch.where(row64 > 0, row64 / p.repetition_penalty,
+                                                              row64 * p.repetition_penalty), row64)
+                    logits[i] = (penalised - penalised.max().clamp(min=0.0)).float()
+                else:
+                    penalised = torch.where(row_logits > 0, row_logits / p.repetition_penalty,
+                                            row_logits * p.repetition_penalty)
+                    logits[i] = torch.where(seen, penalised, row_logits)
             output = row.token_ids[row.num_prompt_tokens:]
             if output and (p.frequency_penalty or p.presence_penalty):
                 counts = torch.zeros(vocab, device=logits.device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import FLOAT32_MIN_NORMAL, MAX_LOGPROBS
 
 INVALID = [
     (dict(max_tokens=-1), "max_tokens"),
@@ -106,6 +106,11 @@ OUT_OF_RANGE = [
     (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     (dict(repetition_penalty=1e39), "repetition_penalty"),
+    # 0 or a subnormal in float32 on the workers: top_p 0 masks every token, a penalty 0 divides by 0
+    (dict(top_p=1e-46), "top_p"),
+    (dict(top_p=1e-40), "top_p"),
+    (dict(repetition_penalty=1e-46), "repetition_penalty"),
+    (dict(repetition_penalty=1e-40), "repetition_penalty"),
 ]
 
 
@@ -120,7 +125,7 @@ def test_values_the_workers_cannot_hold_raise_one_clean_sentence(kwargs, field):
 @pytest.mark.parametrize("kwargs", [
     dict(top_k=2**31 - 1), dict(seed=2**63 - 1), dict(seed=-(2**63)), dict(n=2**31 - 1),
     dict(max_tokens=2**31 - 1), dict(temperature=100.0), dict(repetition_penalty=100.0),
-    dict(stop_token_ids=[2**31 - 1]),
+    dict(stop_token_ids=[2**31 - 1]), dict(top_p=FLOAT32_MIN_NORMAL), dict(repetition_penalty=FLOAT32_MIN_NORMAL),
 ])
 def test_the_edges_of_the_worker_types_are_accepted(kwargs):
     params = SamplingParams(**kwargs)
@@ -138,3 +143,22 @@ def test_validate_catches_fields_changed_after_construction():
     params.top_k = 2**63
     with pytest.raises(ValueError, match="top_k"):
         params.validate()
+
+
+def test_the_float32_bounds_are_named_as_a_client_can_type_them():
+    """The smallest normal float32 (the lowest top_p and repetition_penalty) in full: a client that
+    sends the printed bound back is accepted."""
+    assert FLOAT32_MIN_NORMAL == 1.1754943508222875e-38 and float(np_float32_min_normal()) == FLOAT32_MIN_NORMAL
+    with pytest.raises(ValueError) as info:
+        SamplingParams(top_p=1e-46)
+    assert str(info.value) == "top_p must be a finite number in [1.1754943508222875e-38, 1], got 1e-46"
+    with pytest.raises(ValueError) as info:
+        SamplingParams(repetition_penalty=0.0)
+    assert str(info.value) == "repetition_penalty must be a finite number in [1.1754943508222875e-38, 100], got 0.0"
+    assert SamplingParams(top_p=1.1754943508222875e-38).top_p == FLOAT32_MIN_NORMAL
+
+
+def np_float32_min_normal() -> float:
+    import struct
+
+    return struct.unpack("<f", struct.pack("<I", 0x00800000))[0]  # exponent 1, mantissa 0
