@@ -13,6 +13,9 @@ from engine.sampling_params import SamplingParams
 
 # one dict per generated token: {token_id: logprob} for the top-k tokens plus the chosen one
 SampleLogprobs = list[dict[int, float]]
+# one entry per prompt token: None for the first (nothing predicts it), then {token_id: (logprob, rank)}
+# for the top-k tokens at that position plus the prompt's own token (rank 1 = the most likely)
+PromptLogprobs = list[dict[int, tuple[float, int]] | None]
 
 
 @dataclass
@@ -64,6 +67,9 @@ class ModelRunnerOutput:
     logprobs: list[dict[int, float] | None]  # per request, when it asked for logprobs and sampled
     forward_time_s: float = 0.0  # model forward + logits, in the step
     execute_time_s: float = 0.0  # the whole execute_model call on rank 0
+    # requests with prompt_logprobs whose step computed prompt positions: req_id -> (first position p,
+    # entries for the prompt tokens p + 1, p + 2, ...)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +82,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # once, on the first output after they are complete
 
 
 @dataclass
@@ -113,6 +120,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
     error: str | None = None  # why the engine failed this request (it is finished, and failed alone)
+    # with prompt_logprobs: every output once they are complete (a delta stream: its first such output)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def merge_outputs(first: RequestOutput, second: RequestOutput, kind) -> RequestOutput:
@@ -131,4 +140,5 @@ def merge_outputs(first: RequestOutput, second: RequestOutput, kind) -> RequestO
                                             s.finish_reason, s.stop_reason, logprobs)
     return RequestOutput(second.request_id, second.prompt, second.prompt_token_ids,
                          [samples[i] for i in sorted(samples)], second.finished, second.num_cached_tokens,
-                         second.metrics, second.error)
+                         second.metrics, second.error,
+                         second.prompt_logprobs if second.prompt_logprobs is not None else first.prompt_logprobs)

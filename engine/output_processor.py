@@ -38,6 +38,8 @@ class _RequestState:
     samples: list[_Sample]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # once the first sample's prompt logprobs arrived
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -115,6 +117,8 @@ class OutputProcessor:
         self._observe_token(state, sample, now, len(out.new_token_ids))
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         sample.token_ids.extend(out.new_token_ids)
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = out.prompt_logprobs
         if sample.logprobs is not None and out.new_logprobs is not None:
             sample.logprobs.append(out.new_logprobs)
         stop_string = sample.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
@@ -221,5 +225,9 @@ class OutputProcessor:
             for sample in state.samples:
                 self.finished.observe(sample.finish_reason, len(state.prompt_token_ids), len(sample.token_ids))
             del self.requests[state.request_id]
+        prompt_logprobs = state.prompt_logprobs
+        if delta and prompt_logprobs is not None:  # a delta stream carries them once
+            prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent = True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
-                             state.num_cached_tokens, state.metrics)
+                             state.num_cached_tokens, state.metrics, prompt_logprobs=prompt_logprobs)

@@ -20,6 +20,17 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = 6  # a step failed on this request alone
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are still to be computed (a prefix hit would skip their logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Entries for prompt tokens ``first + 1``, ...; positions already held (a recomputation) are skipped."""
+        have = len(self.prompt_logprobs)
+        if first + 1 <= have:
+            self.prompt_logprobs.extend(entries[have - first - 1:])
+
+    @property
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED
 
@@ -82,6 +93,10 @@ class Request:
         # constrained decoding: this sample's grammar matcher (opaque, from the structured output
         # backend), advanced with every accepted token; None when unconstrained or once finished
         self.grammar = None
+        # prompt_logprobs: one entry per prompt token computed so far (the first token's is None); a
+        # request whose list is short of its prompt takes no prefix-cache hit (they need the logits)
+        self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
 
         self._block_size = block_size
         self.block_hashes: list[BlockHash] = hash_blocks(self.all_token_ids, block_size, cache_salt)
@@ -93,6 +108,17 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are still to be computed (a prefix hit would skip their logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Entries for prompt tokens ``first + 1``, ...; positions already held (a recomputation) are skipped."""
+        have = len(self.prompt_logprobs)
+        if first + 1 <= have:
+            self.prompt_logprobs.extend(entries[have - first - 1:])
 
     @property
     def is_finished(self) -> bool:

@@ -99,7 +99,9 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k`` 0 or -1 and ``top_p == 1`` disable those filters. ``seed``
     makes a request's samples independent of whatever else shares its batch. ``logprobs = k`` returns,
-    per generated token, the log-probabilities of the k most likely tokens plus the chosen one.
+    per generated token, the log-probabilities of the k most likely tokens plus the chosen one;
+    ``prompt_logprobs = k`` the same for each prompt token after the first (with ranks), computed in
+    the prefill (such a request takes no prefix-cache hit until they are complete).
     """
 
     n: int = 1
@@ -116,6 +118,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token after the first: its logprob, rank and the top k
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -169,6 +172,7 @@ class SamplingParams:
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         check_int("logprobs", 0, INT32_MAX, optional=True)  # the engine caps it (max_logprobs)
+        check_int("prompt_logprobs", 0, INT32_MAX, optional=True)  # so it does this one
         check_float("presence_penalty", -2.0, 2.0)
         check_float("frequency_penalty", -2.0, 2.0)
         check_float("repetition_penalty", FLOAT32_MIN_NORMAL, MAX_REPETITION_PENALTY)
@@ -188,7 +192,8 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def for_child(self, index: int) -> SamplingParams:
-        """Parameters of the ``index``-th of ``n`` samples: n = 1, and a distinct seed when seeded."""
+        """Parameters of the ``index``-th of ``n`` samples: n = 1, and a distinct seed when seeded; the
+        prompt logprobs are the first sample's to compute (the others share its prompt blocks)."""
         # the children's seeds stay in int64, wrapping around at the top
         seed = None if self.seed is None else (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN
-        return replace(self, n=1, seed=seed)
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)

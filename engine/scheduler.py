@@ -189,6 +189,8 @@ class Scheduler:
                 continue
             if source is not None:
                 computed, num_cached = self.kv.get_forkable_blocks(request, source)
+            elif request.needs_prompt_logprobs:  # a hit would skip the logits of the prompt it needs
+                computed, num_cached = [], 0
             else:
                 computed, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
@@ -291,6 +293,10 @@ class Scheduler:
         outputs = []
         any_finished = False
         self.stats.num_steps += 1
+        for request_id, (first, entries) in runner_output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.prompt_logprobs is not None:
+                request.add_prompt_logprobs(first, entries)
         for request_id, sampled, logprobs in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs
         ):
@@ -316,10 +322,19 @@ class Scheduler:
                 finish_reason=status.finish_reason if status is not None else None,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens,
+                prompt_logprobs=self._take_prompt_logprobs(request),
             ))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request):
+        """A request's prompt logprobs, once: with its first output after they are complete."""
+        if request.prompt_logprobs is None or request.prompt_logprobs_sent or request.needs_prompt_logprobs:
+            return None
+        request.prompt_logprobs_sent = True
+        return request.prompt_logprobs
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
