@@ -179,11 +179,14 @@ class EngineConfig:
     max_worker_restarts: int = 3
     worker_restart_window_s: float = 600.0
     worker_restart_backoff_s: float = 1.0
-    # what one request may ask for (its work is bounded by these): samples, logprobs per token,
-    # stop strings and stop token ids
+    # what one request may ask for (its work is bounded by these): samples, logprobs per token (and
+    # per prompt token: prompt_logprobs; 20 as vLLM's default, raisable), stop strings, the characters
+    # of one stop string and of all of them, and stop token ids
     max_n: int = 128
     max_logprobs: int = 20
     max_stop_sequences: int = 64
+    max_stop_string_length: int = 1024
+    max_stop_total_length: int = 16384
     max_stop_token_ids: int = 1024
 
     def __post_init__(self) -> None:
@@ -201,7 +204,8 @@ class EngineConfig:
                              f"that depends on the batch")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
-        for name in ("max_n", "max_logprobs", "max_stop_sequences", "max_stop_token_ids"):
+        for name in ("max_n", "max_logprobs", "max_stop_sequences", "max_stop_string_length", "max_stop_total_length",
+                     "max_stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "max_logprobs" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

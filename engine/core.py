@@ -132,9 +132,19 @@ class EngineCore:
         if params.logprobs is not None and params.logprobs > max_logprobs:
             raise ValueError(f"logprobs must be at most {max_logprobs} (the engine's max_logprobs), "
                              f"got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:
+            raise ValueError(f"prompt_logprobs must be at most {max_logprobs} (the engine's max_logprobs), "
+                             f"got {params.prompt_logprobs}")
         if len(params.stop) > cfg.max_stop_sequences:
             raise ValueError(f"at most {cfg.max_stop_sequences} stop strings are allowed (the engine's "
                              f"max_stop_sequences), got {len(params.stop)}")
+        longest = max((len(s) for s in params.stop), default=0)
+        if longest > cfg.max_stop_string_length:
+            raise ValueError(f"a stop string may hold at most {cfg.max_stop_string_length} characters (the engine's "
+                             f"max_stop_string_length), got {longest}")
+        if sum(len(s) for s in params.stop) > cfg.max_stop_total_length:
+            raise ValueError(f"the stop strings may hold at most {cfg.max_stop_total_length} characters in all (the "
+                             f"engine's max_stop_total_length), got {sum(len(s) for s in params.stop)}")
         if len(params.stop_token_ids) > cfg.max_stop_token_ids:
             raise ValueError(f"at most {cfg.max_stop_token_ids} stop_token_ids are allowed (the engine's "
                              f"max_stop_token_ids), got {len(params.stop_token_ids)}")

@@ -56,6 +56,8 @@ def engine_config(
     max_n: int = 128,
     max_logprobs: int = 20,
     max_stop_sequences: int = 64,
+    max_stop_string_length: int = 1024,
+    max_stop_total_length: int = 16384,
     max_stop_token_ids: int = 1024,
 ) -> EngineConfig:
     """An ``EngineConfig`` from the flat keyword arguments users know from vLLM."""
@@ -77,6 +79,8 @@ def engine_config(
         max_n=max_n,
         max_logprobs=max_logprobs,
         max_stop_sequences=max_stop_sequences,
+        max_stop_string_length=max_stop_string_length,
+        max_stop_total_length=max_stop_total_length,
         max_stop_token_ids=max_stop_token_ids,
     )
 

@@ -14,6 +14,8 @@ CASES = [  # (params over the default cap, the same at the cap, the setting's na
     (dict(logprobs=21), dict(logprobs=20), "max_logprobs"),
     (dict(stop=[f"s{i}" for i in range(65)]), dict(stop=[f"s{i}" for i in range(64)]), "max_stop_sequences"),
     (dict(stop_token_ids=list(range(1025))), dict(stop_token_ids=list(range(1024))), "max_stop_token_ids"),
+    (dict(stop=["x" * 1025]), dict(stop=["x" * 1024]), "max_stop_string_length"),
+    (dict(stop=["x" * 1000] * 17), dict(stop=["x" * 1000] * 16), "max_stop_total_length"),
 ]
 
 
@@ -54,7 +56,26 @@ def test_logprobs_beyond_the_vocabulary_are_refused(model_dirs):
         core.check_sampling_params(SamplingParams(logprobs=vocab + 1))
 
 
-@pytest.mark.parametrize("setting", ["max_n", "max_stop_sequences", "max_stop_token_ids"])
+def test_the_stop_string_lengths_are_configurable(model_dirs):
+    core = make_core(model_dirs, FakeExecutor(), max_stop_string_length=3, max_stop_total_length=5)
+    with pytest.raises(ValueError, match=r"^a stop string may hold at most 3 characters \(the engine's "
+                                         r"max_stop_string_length\), got 4$"):
+        core.check_sampling_params(SamplingParams(stop=["abcd"]))
+    with pytest.raises(ValueError, match=r"^the stop strings may hold at most 5 characters in all \(the engine's "
+                                         r"max_stop_total_length\), got 6$"):
+        core.check_sampling_params(SamplingParams(stop=["abc", "def"]))
+    core.check_sampling_params(SamplingParams(stop=["abc", "de"]))
+
+
+def test_max_logprobs_can_be_raised_above_20(model_dirs):
+    core = make_core(model_dirs, FakeExecutor(), max_logprobs=40)
+    core.check_sampling_params(SamplingParams(logprobs=40))
+    with pytest.raises(ValueError, match=r"^logprobs must be at most 40 \(the engine's max_logprobs\), got 41$"):
+        core.check_sampling_params(SamplingParams(logprobs=41))
+
+
+@pytest.mark.parametrize("setting", ["max_n", "max_stop_sequences", "max_stop_token_ids", "max_stop_string_length",
+                                     "max_stop_total_length"])
 def test_a_cap_below_one_is_refused(model_dirs, setting):
     with pytest.raises(ValueError, match=setting):
         engine_config(model_dirs["llama"], **{setting: 0})
