@@ -179,6 +179,9 @@ class EngineConfig:
     max_worker_restarts: int = 3
     worker_restart_window_s: float = 600.0
     worker_restart_backoff_s: float = 1.0
+    # this many steps failing in a row (none succeeding between), each holding one different request:
+    # the ranks are broken (a sticky device fault), not a request, and are rebuilt within the same budget
+    max_consecutive_failed_steps: int = 3
     # what one request may ask for (its work is bounded by these): samples, logprobs per token (and
     # per prompt token: prompt_logprobs; 20 as vLLM's default, raisable), stop strings, the characters
     # of one stop string and of all of them, and stop token ids
@@ -204,6 +207,9 @@ class EngineConfig:
                              f"that depends on the batch")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
+        if not isinstance(self.max_consecutive_failed_steps, int) or self.max_consecutive_failed_steps < 2:
+            raise ValueError(f"max_consecutive_failed_steps must be an integer >= 2, got "
+                             f"{self.max_consecutive_failed_steps!r}")
         for name in ("max_n", "max_logprobs", "max_stop_sequences", "max_stop_string_length", "max_stop_total_length",
                      "max_stop_token_ids"):
             value = getattr(self, name)

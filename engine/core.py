@@ -79,6 +79,10 @@ class EngineCore:
         self.num_failed_requests = 0  # requests failed because a step that held them alone raised
         # requests of a step that raised, to be run one per step until the one that fails alone is found
         self._suspects: deque[str] = deque()
+        # steps of one request that raised since the last step that ran, and their samples: many in a
+        # row with different requests means broken ranks, not a poisonous request (``_ranks_look_broken``)
+        self._failed_in_a_row = 0
+        self._failed_in_a_row_samples: set[str] = set()
         # held while the step changes the scheduler, the block pool or the outputs (never while the
         # ranks compute), so that other threads (stats, the router's hash report) read them whole
         self.lock = threading.RLock()
@@ -272,8 +276,13 @@ class EngineCore:
                 self.scheduler.rollback(scheduler_output)
                 if not isinstance(exc, Exception):
                     raise
-                return self._isolate(scheduler_output, exc)
+                if not self._ranks_look_broken(scheduler_output, exc):
+                    return self._isolate(scheduler_output, exc)
+            self._recover(WorkerFailedError(f"{self._failed_in_a_row} steps failed in a row with different requests"))
+            return []
         execute_wall = time.perf_counter() - execute_start
+        self._failed_in_a_row = 0
+        self._failed_in_a_row_samples.clear()
         with self.lock:
             if only is not None:
                 self._suspects.popleft()  # it ran alone without failing
@@ -301,6 +310,27 @@ class EngineCore:
         while self._suspects and self._suspects[0] not in self.scheduler.requests:
             self._suspects.popleft()  # finished or aborted meanwhile
         return self._suspects[0] if self._suspects else None
+
+    def _ranks_look_broken(self, scheduler_output, exc: Exception) -> bool:
+        """Count a step of one request that raised (a larger step that raises only starts the search
+        for the request at fault). ``max_consecutive_failed_steps`` of them in a row (no step ran
+        between), each with a different request: the ranks fail whatever they run (a sticky device
+        fault, a corrupted rank), so they are rebuilt (``_recover``) instead of failing one request
+        after another forever. A poisonous request fails alone, then the others' steps run, which
+        starts the count again."""
+        if len(scheduler_output.num_scheduled_tokens) != 1:
+            return False
+        self._failed_in_a_row += 1
+        self._failed_in_a_row_samples.update(scheduler_output.num_scheduled_tokens)
+        if (self._failed_in_a_row < self.config.max_consecutive_failed_steps
+                or len(self._failed_in_a_row_samples) < 2):
+            return False
+        self.num_failed_steps += 1
+        logger.error("%d engine steps failed in a row with %d different requests (the last: %s: %s); the "
+                     "ranks are treated as broken", self._failed_in_a_row, len(self._failed_in_a_row_samples),
+                     type(exc).__name__, exc)
+        self._suspects.clear()  # all are recomputed on the rebuilt ranks
+        return True
 
     def _isolate(self, scheduler_output, exc: Exception) -> list[RequestOutput]:
         """A step raised: a step of one request fails that request; a larger one puts its requests
@@ -350,6 +380,8 @@ class EngineCore:
             logger.error("engine step failed (%s): %s", failure, self._dead)
             raise self._dead
         logger.warning("engine step failed (%s); restarting the workers", failure)
+        self._failed_in_a_row = 0
+        self._failed_in_a_row_samples.clear()
         if recent:
             time.sleep(cfg.worker_restart_backoff_s * 2 ** (recent - 1))
         self._restart_times.append(time.monotonic())
