@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import json
 import logging
 import os
@@ -60,6 +61,11 @@ from workers.model_source import localize_model
 logger = logging.getLogger("ray.serve")
 
 
+def new_engine_id() -> str:
+    """The engine's id of one request: always made here, never a caller's (a caller's id is a label)."""
+    return f"req-{uuid.uuid4().hex}"
+
+
 class ServeEngineClient:
     """The engine client of the OpenAI and gRPC layers in an Ingress replica.
 
@@ -67,25 +73,32 @@ class ServeEngineClient:
     replica answers with the name of its scheduler actor, and the deltas arrive on one multiplexed
     stream per scheduler actor, subscribed once per Ingress replica: one Ray object per engine step
     instead of one per token per request.
+
+    The ``request_id`` a caller passes is only its label: every call gets its own engine id
+    (``new_engine_id``), under which its queue is kept and the engine knows it, so two calls with one
+    label (a gRPC client's reused id) neither share outputs nor remove each other's queue.
     """
 
     def __init__(self, handle: DeploymentHandle, engines: EngineWatch) -> None:
         self.handle = handle
         self.engines = engines
         self.subscriber = f"ingress-{uuid.uuid4().hex}"
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._engine_of: dict[str, str] = {}
+        self._queues: dict[str, asyncio.Queue] = {}  # by engine id
+        self._engine_of: dict[str, str] = {}  # engine id -> the scheduler actor's name
         self._subscriptions: dict[str, asyncio.Task] = {}
+        self._actors: dict[str, object] = {}  # scheduler actor name -> handle (looked up by its stream)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None):
         if not await self.engines.available():  # else the request would wait for a replica that may never come
             raise EngineUnavailableError(NO_ENGINE)
+        engine_id = new_engine_id()
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        self._queues[engine_id] = queue
         call = self.handle.options(stream=True).generate.remote(
-            request_id, prompt_token_ids, params, cache_salt=cache_salt, subscriber=self.subscriber)
+            engine_id, prompt_token_ids, params, cache_salt=cache_salt, subscriber=self.subscriber)
         finished = False
+        engine_name = None
         try:
             try:
                 engine_name = await call.__anext__()
@@ -99,7 +112,7 @@ class ServeEngineClient:
             except BackPressureError:  # refused by Serve's router
                 finished = True
                 raise EngineOverloadedError("every replica is at its queue bound; retry later") from None
-            self._engine_of[request_id] = engine_name
+            self._engine_of[engine_id] = engine_name
             self._subscribe(engine_name)
             while not finished:
                 item = await queue.get()
@@ -112,10 +125,13 @@ class ServeEngineClient:
                 finished = item.finished
                 yield item
         finally:
-            self._queues.pop(request_id, None)
-            self._engine_of.pop(request_id, None)
+            self._queues.pop(engine_id, None)
+            self._engine_of.pop(engine_id, None)
             if not finished:  # the caller left: cancelling reaches the replica, which aborts
                 call.cancel()
+                actor = self._actors.get(engine_name)
+                if actor is not None:  # and the engine hears it at once
+                    actor.abort.remote(engine_id)
 
     def _subscribe(self, engine_name: str) -> None:
         task = self._subscriptions.get(engine_name)
@@ -128,24 +144,27 @@ class ServeEngineClient:
     async def _pump(self, engine_name: str) -> None:
         """Route the engine's batches to the waiting requests until the engine goes away."""
         try:
-            engine = ray.get_actor(engine_name, namespace=ENGINE_NAMESPACE)
+            engine = await asyncio.get_running_loop().run_in_executor(  # a blocking GCS lookup: off the loop
+                None, functools.partial(ray.get_actor, engine_name, namespace=ENGINE_NAMESPACE))
+            self._actors[engine_name] = engine
             async for ref in engine.subscribe.remote(self.subscriber):
-                for request_id, item in await ref:
-                    queue = self._queues.get(request_id)
+                for engine_id, item in await ref:
+                    queue = self._queues.get(engine_id)
                     if queue is not None:
                         queue.put_nowait(item)
         except Exception as exc:  # noqa: BLE001 - every request of that engine fails with it
             logger.warning("the stream of %s ended: %s", engine_name, type(exc).__name__)
+            self._actors.pop(engine_name, None)
             self.engines.recheck()
             error = EngineUnavailableError(ENGINE_STOPPED + " while serving this request; retry shortly")
-            for request_id, name in list(self._engine_of.items()):
-                if name == engine_name and request_id in self._queues:
-                    self._queues[request_id].put_nowait(error)
+            for engine_id, name in list(self._engine_of.items()):
+                if name == engine_name and engine_id in self._queues:
+                    self._queues[engine_id].put_nowait(error)
 
     async def abort(self, request_id: str) -> None:
-        engine_name = self._engine_of.get(request_id)
-        if engine_name is not None:
-            ray.get_actor(engine_name, namespace=ENGINE_NAMESPACE).abort.remote(request_id)
+        """Nothing to do: a request ends with its ``generate`` stream, whose closing cancels the
+        replica's call (which aborts it) and tells the engine directly. ``request_id`` is a caller's
+        label, which another request may carry too: it never names an engine entry."""
 
 
 class Ingress:
@@ -184,18 +203,16 @@ class Ingress:
     async def _ask_engines(self, method: str) -> dict:
         """``method``'s answer from every scheduler actor of this application, by replica."""
         prefix = f"engine:{self.app_name}:"
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a.get("namespace") == ENGINE_NAMESPACE and a["name"].startswith(prefix)]
+        actors = await self.engines.actors()  # Ray's lookups on a thread, kept a second: never on this loop
 
-        async def ask(name: str):
+        async def ask(actor):
             try:
-                actor = ray.get_actor(name, namespace=ENGINE_NAMESPACE)
                 return await asyncio.wait_for(getattr(actor, method).remote(), timeout=5)
             except Exception:  # noqa: BLE001 - a replica going away between list and call
                 return None
 
-        results = await asyncio.gather(*(ask(n) for n in names))
-        return {n.removeprefix(prefix): r for n, r in zip(names, results) if r is not None}
+        results = await asyncio.gather(*(ask(a) for a in actors.values()))
+        return {n.removeprefix(prefix): r for n, r in zip(actors, results) if r is not None}
 
     # --- Python handles: serve.get_app_handle(name).generate.remote(...) ---------------------------
 

@@ -12,6 +12,12 @@ from engine.core import EngineDeadError, EngineOverloadedError, RequestFailedErr
 logger = logging.getLogger(__name__)
 
 
+# what a client reads for each kind of failure: fixed sentences, the exception's own text goes to the log
+OVERLOADED_MESSAGE = "the server is at capacity; retry later"
+ENGINE_DEAD_MESSAGE = "the engine failed and cannot serve this request; retry shortly"
+REQUEST_FAILED_MESSAGE = "the engine failed while running this request"
+INTERNAL_MESSAGE = "internal server error"
+
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _MAX_MESSAGE_CHARS = 1000
 
@@ -75,19 +81,25 @@ class OpenAIError(Exception):
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> OpenAIError:
-        """ValueError → 400, EngineOverloadedError → 503, anything else (engine failures, a request
-        the engine failed alone: ``request_failed``) → 500. An exception re-raised by a remote call
-        is judged, and reported, by its root cause (``root_cause``), in ``clean_message``'s one line."""
+        """ValueError → 400 with its message (the engine's and the protocol's checks of a request: text
+        this project writes for the client); every other exception by its type alone, to one fixed
+        sentence, its own text (which may hold a host's repr, an actor id, a pid or an address) going
+        to the log: EngineOverloadedError → 503 ``engine_overloaded``, EngineDeadError → 500
+        ``engine_dead``, RequestFailedError (a request the engine failed alone) → 500
+        ``request_failed``, anything else → 500 ``internal_error``. An exception re-raised by a remote
+        call is judged by its root cause (``root_cause``)."""
         if isinstance(exc, OpenAIError):
             return exc
         cause = root_cause(exc)
         if isinstance(exc, ValueError) or isinstance(cause, ValueError):
             return cls.bad_request(clean_message(cause))
         if isinstance(exc, EngineOverloadedError) or isinstance(cause, EngineOverloadedError):
-            return cls(503, clean_message(cause), "server_error", code="engine_overloaded")
-        if isinstance(exc, EngineDeadError) or isinstance(cause, EngineDeadError):
-            return cls(500, clean_message(cause), "server_error", code="engine_dead")
-        if isinstance(exc, RequestFailedError) or isinstance(cause, RequestFailedError):
-            return cls(500, clean_message(cause), "server_error", code="request_failed")
+            logger.info("request refused: %s", clean_message(cause))
+            return cls(503, OVERLOADED_MESSAGE, "server_error", code="engine_overloaded")
+        for kind, message, code in ((EngineDeadError, ENGINE_DEAD_MESSAGE, "engine_dead"),
+                                    (RequestFailedError, REQUEST_FAILED_MESSAGE, "request_failed")):
+            if isinstance(exc, kind) or isinstance(cause, kind):
+                logger.error("request failed (%s): %s", code, clean_message(cause))
+                return cls(500, message, "server_error", code=code)
         logger.error("request failed", exc_info=exc)
-        return cls(500, f"internal error: {type(cause).__name__}", "server_error", code="internal_error")
+        return cls(500, INTERNAL_MESSAGE, "server_error", code="internal_error")

@@ -11,7 +11,8 @@ header), else it ends with UNAUTHENTICATED before anything runs; a call without 
 caller inside the cluster, a Serve handle) is not checked.
 
 Errors become gRPC status codes (``grpc_status``): ValueError → INVALID_ARGUMENT, EngineOverloadedError →
-RESOURCE_EXHAUSTED, EngineDeadError → UNAVAILABLE, a bad key → UNAUTHENTICATED, anything else → INTERNAL.
+RESOURCE_EXHAUSTED, EngineDeadError → UNAVAILABLE, a bad key → UNAUTHENTICATED, anything else → INTERNAL;
+the details are a ValueError's message or, for every other failure, one fixed sentence (the HTTP API's).
 ``generate`` and
 ``generate_stream`` take the RPC's context and report errors on it (``abort_with_status``):
 
@@ -52,9 +53,8 @@ import grpc
 from api import kvserve_pb2 as pb
 from api import kvserve_pb2_grpc
 from api.engine_client import EngineClient, aclose_quietly
-from api.errors import clean_message, root_cause
+from api.errors import OpenAIError, clean_message
 from api.limits import check_float, check_int, check_ints
-from engine.core import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.messages import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.tokenizer import Tokenizer
@@ -197,10 +197,13 @@ async def _responses(req: pb.GenerateRequest, client: EngineClient, tokenizer: T
     """One GenerateResponse per engine delta (only the samples with news), the usage on the last.
     Raises ValueError (before anything is sent) for a bad request; engine errors propagate."""
     prompt_token_ids, params, cache_salt = request_to_engine(req, tokenizer)
-    request_id = req.request_id or new_request_id()
+    # the engine's id is always made here: a client's id is only the label its responses carry (two
+    # requests with one id, or an id another request holds, must not share or steal an engine entry)
+    engine_id = new_request_id()
+    request_id = req.request_id or engine_id
     usage = pb.Usage(prompt_tokens=len(prompt_token_ids))
     num_top = params.logprobs or 0
-    async with contextlib.aclosing(_engine_outputs(client, request_id, prompt_token_ids, params,
+    async with contextlib.aclosing(_engine_outputs(client, engine_id, prompt_token_ids, params,
                                                    cache_salt)) as outputs:
         async for output in outputs:
             usage.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
@@ -237,31 +240,32 @@ def check_api_key(context: Any, api_key: str | None) -> None:
 # --- errors --------------------------------------------------------------------------------------------
 
 
+_GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+               404: grpc.StatusCode.NOT_FOUND, 503: grpc.StatusCode.UNAVAILABLE}
+
+
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and details for an exception. An exception re-raised by Ray (RayTaskError is an
-    instance of its cause's class) is judged and reported by its root cause, in ``clean_message``'s one
-    line: never Ray's traceback, task name, pid or address."""
-    cause = root_cause(exc)
+    """The status code and details for an exception: the HTTP API's error (``OpenAIError.from_exception``:
+    a ValueError's message, every other exception one fixed sentence by its type, its text logged)
+    with its status mapped; an engine that failed is UNAVAILABLE (retry), a full queue
+    RESOURCE_EXHAUSTED. Never Ray's traceback, task name, pid, address or an exception's repr."""
     if isinstance(exc, Unauthenticated):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
-    if isinstance(exc, ValueError) or isinstance(cause, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, clean_message(cause)
-    if isinstance(exc, EngineOverloadedError) or isinstance(cause, EngineOverloadedError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, clean_message(cause)
-    if isinstance(exc, EngineDeadError) or isinstance(cause, EngineDeadError):
-        return grpc.StatusCode.UNAVAILABLE, clean_message(cause)
-    if isinstance(exc, RequestFailedError) or isinstance(cause, RequestFailedError):
-        return grpc.StatusCode.INTERNAL, clean_message(cause)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(cause).__name__}: {clean_message(cause)}"
+    error = OpenAIError.from_exception(exc)
+    if error.code == "engine_overloaded":
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif error.code == "engine_dead":
+        code = grpc.StatusCode.UNAVAILABLE
+    else:
+        code = _GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL)
+    return code, clean_message(error.message)
 
 
 async def abort_with_status(context: Any, exc: Exception) -> NoReturn:
     """End the RPC with ``exc``'s status: ``context.abort`` on a grpc.aio context; on Serve's
     ``RayServegRPCContext`` set the code and details and re-raise ``exc`` (see the module docstring);
     with no context (a Serve handle call) re-raise ``exc``."""
-    code, details = grpc_status(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        logger.error("request failed: %s", details, exc_info=exc)
+    code, details = grpc_status(exc)  # (the details of a failure are logged there)
     if context is not None and hasattr(context, "abort"):
         await context.abort(code, details)  # raises
     if context is not None:

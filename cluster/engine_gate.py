@@ -24,11 +24,17 @@ class EngineWatch:
     keeps at least one replica (``min_engines`` > 0; autoscaling from zero has none to ask) has no
     engine answering, the Ingress refuses requests with 503 instead of leaving them waiting for a
     replica that is starting, being replaced, or cannot be placed. While none answers it asks
-    every ``DOWN_PERIOD_S``, so that a replica that comes back is used within that time."""
+    every ``DOWN_PERIOD_S``, so that a replica that comes back is used within that time.
+
+    ``actors()`` is the app's scheduler actors by name, for /metrics and /dashboard/data too: Ray's
+    lookups (GCS calls that block) run on a thread, never on the Ingress's event loop, and their answer
+    is kept for ``ACTORS_TTL_S`` (an unauthenticated /metrics scraped in a loop costs one lookup a
+    second, not one per scrape)."""
 
     PERIOD_S = 1.0
     DOWN_PERIOD_S = 0.2
     PING_TIMEOUT_S = 1.0
+    ACTORS_TTL_S = 1.0
 
     def __init__(self, app_name: str, min_engines: int) -> None:
         self.prefix = f"engine:{app_name}:"
@@ -36,10 +42,14 @@ class EngineWatch:
         self._num_up = 0
         self._checked_at = -math.inf
         self._lock: asyncio.Lock | None = None
+        self._handles: dict[str, object] = {}
+        self._listed_at = -math.inf
+        self._list_lock: asyncio.Lock | None = None
 
     def recheck(self) -> None:
         """Ask again on the next call (an engine was seen to stop)."""
         self._checked_at = -math.inf
+        self._listed_at = -math.inf
 
     async def available(self) -> bool:
         if self.min_engines == 0:
@@ -56,17 +66,32 @@ class EngineWatch:
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:  # one lookup for every request that arrives meanwhile
             if not self._fresh():
-                actors = await asyncio.get_running_loop().run_in_executor(None, self._actors)
+                actors = list((await self.actors(max_age_s=0.0)).values())
                 answers = await asyncio.gather(*(self._ping(a) for a in actors))
                 self._num_up, self._checked_at = sum(answers), time.monotonic()
         return self._num_up
 
-    def _actors(self) -> list:
-        actors = []
+    async def actors(self, max_age_s: float | None = None) -> dict[str, object]:
+        """The app's scheduler actors, ``{name: handle}``, looked up on a thread at most every
+        ``max_age_s`` (default ``ACTORS_TTL_S``)."""
+        max_age_s = self.ACTORS_TTL_S if max_age_s is None else max_age_s
+        if time.monotonic() - self._listed_at < max_age_s:
+            return self._handles
+        self._list_lock = self._list_lock or asyncio.Lock()
+        async with self._list_lock:  # callers arriving meanwhile share the lookup under way
+            if time.monotonic() - self._listed_at >= max_age_s:
+                started = time.monotonic()
+                self._handles = await asyncio.get_running_loop().run_in_executor(None, self._actors)
+                self._listed_at = started
+        return self._handles
+
+    def _actors(self) -> dict[str, object]:
+        """Ray's blocking lookups (run on a thread)."""
+        actors = {}
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry.get("namespace") == ENGINE_NAMESPACE and entry["name"].startswith(self.prefix):
                 try:
-                    actors.append(ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE))
+                    actors[entry["name"]] = ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE)
                 except ValueError:  # gone between the listing and the lookup
                     pass
         return actors

@@ -89,6 +89,7 @@ class LLMServer:
         self._restarting: asyncio.Task | None = None
         self._dead: str | None = None  # why this replica can serve no more (its health check fails)
         self._ranks: list | None = None  # the engine's rank actors, started here (tp > 1)
+        self._aborting: set[asyncio.Task] = set()  # aborts of requests cancelled during admission
         self.engine = await self._start_engine()
         self._routing_stats: dict = {}
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_routing_stats())
@@ -154,8 +155,8 @@ class LLMServer:
     def _engine_is_dead(self, engine, error: BaseException) -> None:
         """``engine`` runs but can serve no more (it gave up on its ranks): the health check fails."""
         if engine is self.engine and self._dead is None:
-            self._dead = f"the engine is dead: {error}"
-            logger.error("%s: %s", self.engine_name, self._dead)
+            self._dead = "the engine gave up on its workers"  # (clients read it: error's text is logged)
+            logger.error("%s: %s: %s", self.engine_name, self._dead, error)
 
     async def _restart_engine(self, dead) -> None:
         self.num_engine_restarts += 1
@@ -166,7 +167,7 @@ class LLMServer:
             self.engine = await asyncio.wait_for(self._start_engine(), timeout=ENGINE_START_TIMEOUT_S)
             logger.warning("%s serves again after %.1fs", self.engine_name, time.monotonic() - started)
         except Exception as exc:  # noqa: BLE001 - reported by the health check, which makes Serve replace us
-            self._dead = f"the engine could not be restarted: {type(exc).__name__}"
+            self._dead = "the engine could not be restarted"
             logger.error("%s: %s", self.engine_name, self._dead, exc_info=exc)
         finally:
             self._restarting = None
@@ -177,8 +178,15 @@ class LLMServer:
         flow from that actor to ``subscriber`` on its multiplexed stream. The call stays open until the
         request ends, so Serve counts it as ongoing here; cancelled first, it aborts the request."""
         engine = self._live_engine()
+        admission = asyncio.ensure_future(
+            engine.add_request.remote(request_id, prompt_token_ids, params, cache_salt, subscriber))
         try:
-            await engine.add_request.remote(request_id, prompt_token_ids, params, cache_salt, subscriber)
+            await asyncio.shield(admission)
+        except asyncio.CancelledError:
+            # the caller left while the engine admitted the request: abort it once the engine knows
+            # its id (an abort sent now could reach the engine first and miss it)
+            self._abort_after_admission(engine, admission, request_id)
+            raise
         except RayTaskError as exc:
             cause = _cause(exc)
             if _engine_gave_up(cause):  # its ranks are given up on: a new replica is needed
@@ -199,6 +207,18 @@ class LLMServer:
         finally:
             if not finished:
                 engine.abort.remote(request_id)
+
+    def _abort_after_admission(self, engine, admission, request_id: str) -> None:
+        async def abort() -> None:
+            try:
+                await admission
+            except Exception:  # noqa: BLE001 - refused or the engine died: nothing runs to abort
+                return
+            engine.abort.remote(request_id)
+
+        task = asyncio.get_running_loop().create_task(abort(), context=contextvars.Context())
+        self._aborting.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._aborting.discard)
 
     async def _refresh_routing_stats(self) -> None:
         while True:

@@ -19,9 +19,9 @@ class CountingWatch(EngineWatch):
         super().__init__("app", min_engines=1)
         self.up, self.lookups = up, 0
 
-    def _actors(self) -> list:
+    def _actors(self) -> dict:
         self.lookups += 1
-        return [object()] * self.up
+        return {f"engine:app:{i}": object() for i in range(self.up)}
 
     async def _ping(self, actor) -> bool:
         return True

@@ -18,6 +18,7 @@ import openai
 import pytest
 import uvicorn
 
+from api.errors import ENGINE_DEAD_MESSAGE, INTERNAL_MESSAGE, OVERLOADED_MESSAGE, REQUEST_FAILED_MESSAGE
 from api.http_app import build_openai_app
 from api.openai_serving import OpenAIServing
 from engine import CompletionOutput, EngineDeadError, EngineOverloadedError, RequestFailedError, RequestOutput
@@ -339,11 +340,12 @@ LEAKS = ("ray::", "ServeReplica", "pid=", "4242", "10.1.2.3", "5f2a9c0e", "Trace
 
 @pytest.mark.parametrize("cause, status, code, message", [
     (ValueError("stop_token_ids must be in [0, 4096)"), 400, 400, "stop_token_ids must be in [0, 4096)"),
-    (EngineOverloadedError("the queue holds 64 requests"), 503, "engine_overloaded", "the queue holds 64 requests"),
-    (EngineDeadError("the workers are gone"), 500, "engine_dead", "the workers are gone"),
+    (EngineOverloadedError("the queue holds 64 requests"), 503, "engine_overloaded", OVERLOADED_MESSAGE),
+    (EngineDeadError("engine step failed: ActorDiedError('actor 5f2a9c0e died, pid=4242, ip=10.1.2.3')"), 500,
+     "engine_dead", ENGINE_DEAD_MESSAGE),
     (RequestFailedError("the engine failed while running this request (IndexError)"), 500, "request_failed",
-     "the engine failed while running this request (IndexError)"),
-    (RuntimeError("CUDA error at 0x7f00 in worker pid 99"), 500, "internal_error", "internal error: RuntimeError"),
+     REQUEST_FAILED_MESSAGE),
+    (RuntimeError("CUDA error at 0x7f00 in worker pid 99"), 500, "internal_error", INTERNAL_MESSAGE),
 ])
 def test_errors_from_a_remote_call_reach_the_client_as_their_cause_in_one_clean_line(model_dir, run, cause, status,
                                                                                     code, message):
