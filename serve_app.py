@@ -29,6 +29,7 @@ import functools
 import json
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from api import grpc_serving
+from api.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES
 from api.errors import OpenAIError
 from api.http_app import build_openai_app, validation_error
 from api.metrics import prometheus_text
@@ -54,7 +56,7 @@ from cluster.reservations import cluster_cpus, plan_reservations
 from engine import EngineOverloadedError, SamplingParams, engine_config
 from engine.config import ModelConfig
 from engine.messages import RequestOutput, merge_outputs
-from engine.sampling_params import RequestOutputKind
+from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind
 from engine.tokenizer import Tokenizer
 from workers.model_source import localize_model
 
@@ -100,8 +102,11 @@ class ServeEngineClient:
         finished = False
         engine_name = None
         try:
+            _t0 = time.monotonic()
             try:
                 engine_name = await call.__anext__()
+                with open("/tmp/h1/ingress_times.txt", "a") as f:
+                    f.write(f"admit ok {_t0:.4f} {time.monotonic() - _t0:.4f}\n")
             except RayTaskError as exc:  # refused by the replica or its engine: nothing to cancel
                 finished = True
                 raise _cause(exc) from None
@@ -110,6 +115,8 @@ class ServeEngineClient:
                 self.engines.recheck()
                 raise EngineUnavailableError(ENGINE_STOPPED + "; retry shortly") from None
             except BackPressureError:  # refused by Serve's router
+                with open("/tmp/h1/ingress_times.txt", "a") as f:
+                    f.write(f"admit backpressure {_t0:.4f} {time.monotonic() - _t0:.4f}\n")
                 finished = True
                 raise EngineOverloadedError("every replica is at its queue bound; retry later") from None
             self._engine_of[engine_id] = engine_name
@@ -173,20 +180,23 @@ class Ingress:
     def __init__(self, llm_server: DeploymentHandle, model: ModelConfig, served_model_name: str,
                  max_model_len: int, api_key: str | None, stream_interval: int = 1, min_engines: int = 1,
                  api_key_env: str | None = None, api_key_file: str | None = None,
-                 tool_call_parser: str = "generic") -> None:
+                 tool_call_parser: str = "generic", max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_logprobs: int = MAX_LOGPROBS) -> None:
         self.tokenizer = Tokenizer(localize_model(model).path)  # the checkpoint's copy on this node
         self.app_name = serve.get_replica_context().app_name
         self.engines = EngineWatch(self.app_name, min_engines)
         self.client = ServeEngineClient(llm_server, self.engines)
         self.serving = OpenAIServing(self.client, self.tokenizer, served_model_name, max_model_len, stream_interval,
-                                     tool_call_parser=tool_call_parser)
+                                     tool_call_parser=tool_call_parser, max_prompts_per_request=max_prompts_per_request,
+                                     max_logprobs=max_logprobs)
+        self.max_request_body_bytes = max_request_body_bytes
         self.served_model_name = served_model_name
         self.api_key = api_key_from_env(api_key_env) if api_key_env is not None else \
             api_key_from_file(api_key_file) if api_key_file is not None else api_key
 
     def __serve_build_asgi_app__(self):
         app = build_openai_app(lambda: self.serving, api_key=self.api_key, metrics_text=self.metrics_text,
-                               kv_map=self.kv_map)
+                               kv_map=self.kv_map, max_body_bytes=self.max_request_body_bytes)
         app.add_middleware(EngineGate, available=self.engines.available, api_key=self.api_key)
         return app
 
@@ -371,7 +381,8 @@ def build_app(args: AppArgs | dict | None = None):
         api_key_from_file(args.api_key_file)
     return ingress.bind(llm_server, config.model, served_name, config.max_model_len, args.api_key,
                         args.stream_interval, min_engines, args.api_key_env, args.api_key_file,
-                        args.tool_call_parser)
+                        args.tool_call_parser, args.max_prompts_per_request, args.max_request_body_bytes,
+                        config.max_logprobs)
 
 
 app = build_app

@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.dashboard import dashboard_data, dashboard_page
 from api.errors import OpenAIError
+from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from api.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api.openai_serving import EventStream, OpenAIServing
@@ -52,10 +53,12 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody rea
 
 def build_openai_app(get_serving: Callable[[], OpenAIServing], *, api_key: str | None = None,
                      metrics_text: Callable[[], Awaitable[str]] | None = None,
-                     kv_map: Callable[[], Awaitable[dict]] | None = None) -> FastAPI:
+                     kv_map: Callable[[], Awaitable[dict]] | None = None,
+                     max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The app. ``metrics_text`` supplies the Prometheus exposition served at /metrics (absent: 404);
     ``kv_map`` each engine replica's KV-map snapshot by replica (``engine.kv_map.KVMonitor.snapshot``),
-    served at /dashboard/data and drawn by /dashboard (absent: both 404).
+    served at /dashboard/data and drawn by /dashboard (absent: both 404). A request body over
+    ``max_body_bytes`` is refused with 413 before it is parsed (``BodySizeLimit``).
 
     The routes are module-level functions that read these settings from ``app.state``: an app that
     Ray Serve pickles keeps them importable by name, with their annotations resolvable (a nested
@@ -82,7 +85,58 @@ def build_openai_app(get_serving: Callable[[], OpenAIServing], *, api_key: str |
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     return app
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request whose body is over ``max_bytes`` gets a 413 with the OpenAI body
+    before any of it is parsed: at once when its Content-Length says so, else as soon as the bytes
+    received pass the cap (a chunked upload). The body is read here, then handed on whole."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._refuse(scope, send, int(length) if length.isdigit() else None)
+        chunks, size, more, pending = [], 0, True, None
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees the disconnect
+                chunks, more = None, False
+                pending = message
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(scope, send, None)
+            more = message.get("more_body", False)
+        first = pending if chunks is None else {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return first
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, send, length: int | None) -> None:
+        size = f"{length} bytes" if length is not None else "more than that"
+        error = OpenAIError(413, f"the request body may hold at most {self.max_bytes} bytes (the server's "
+                                 f"max_request_body_bytes), got {size}", "invalid_request_error",
+                            code="request_too_large")
+        await JSONResponse(error.body(), status_code=413, headers={"Connection": "close"})(scope, _no_receive, send)
+
+
+async def _no_receive() -> dict:
+    return {"type": "http.disconnect"}
 
 
 def _serving(request: Request) -> OpenAIServing:

@@ -3,7 +3,8 @@
 One table for HTTP (the pydantic schemas of ``openai_protocol``) and gRPC (``grpc_serving``): integers
 fit the types the engine and workers use (int32 counts and token ids, an int64 seed), floats are
 finite and in a range that makes sense for the sampler (float32 on the workers). The engine's own
-configurable caps (``max_n``, the number of stop strings, ...) and its vocabulary check come after.
+configurable caps (``max_n``, ``max_logprobs``, the number and length of stop strings, ...) and its
+vocabulary check come after; the Ingress's own caps (prompts per request, body bytes) are ``ApiCaps``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from engine.sampling_params import FLOAT32_MIN_NORMAL, MAX_LOGPROBS, format_bound
+from engine.sampling_params import FLOAT32_MIN_NORMAL, format_bound
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -27,8 +28,11 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "min_tokens": (0, INT32_MAX),
     "top_k": (-1, INT32_MAX),
     "seed": (INT64_MIN, INT64_MAX),
-    "logprobs": (0, MAX_LOGPROBS),
-    "top_logprobs": (0, MAX_LOGPROBS),
+    # logprobs per token: the engine's max_logprobs (configurable, 20 by default) is the cap, not a constant
+    "logprobs": (0, INT32_MAX),
+    "top_logprobs": (0, INT32_MAX),
+    "prompt_logprobs": (0, INT32_MAX),
+    "truncate_prompt_tokens": (-1, INT32_MAX),  # -1: max_model_len; 0 is refused where it is applied
     "stop_token_ids": (0, INT32_MAX),  # each id
     "token_ids": (0, INT32_MAX),  # each prompt token id
 }
@@ -75,3 +79,15 @@ def valid_text(value: str) -> bool:
 
 
 TEXT_ERROR = "must be valid Unicode text: it holds a lone surrogate code point, which UTF-8 cannot encode"
+
+
+# the Ingress's caps on one HTTP request (``AppArgs``; the engine's own caps are in ``EngineConfig``)
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 256  # prompts (texts or token-id lists) in one completion request
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20  # bytes of one request body, checked before it is parsed
+
+
+def check_prompt_count(count: int, cap: int) -> None:
+    """Raises ValueError naming the cap when a completion request holds more than ``cap`` prompts."""
+    if count > cap:
+        raise ValueError(f"a completion request may hold at most {cap} prompts (the server's "
+                         f"max_prompts_per_request), got {count}")

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from api.openai_responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from api.openai_responses import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs,
+                                  TopLogprob)
 from engine.messages import CompletionOutput
+from engine.messages import PromptLogprobs as EnginePromptLogprobs
 from engine.tokenizer import Tokenizer
 
 _MIN_LOGPROB = -9999.0
@@ -62,3 +64,11 @@ def chat_logprobs(texts: TokenTexts, sample: CompletionOutput, num_top: int) -> 
         alternatives = [_top_logprob(texts, t, lp) for t, lp in _ranked(top)[:num_top]]
         content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=alternatives))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(texts: TokenTexts, entries: EnginePromptLogprobs) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then token id -> logprob, rank
+    and decoded token (the top k and the prompt's own token, most likely first)."""
+    return [None if entry is None else {
+        token_id: PromptLogprob(logprob=_clamp(logprob), rank=rank, decoded_token=texts(token_id))
+        for token_id, (logprob, rank) in sorted(entry.items(), key=lambda item: item[1][1])} for entry in entries]

@@ -3,8 +3,10 @@ vLLM's /tokenize and /detokenize bodies, the error body, and the mapping to ``Sa
 
 Unknown fields are ignored, as OpenAI does. Features the engine lacks are refused by validation
 (HTTP 400 naming the field): ``logit_bias``, ``suffix``, ``best_of`` other than ``n``, ``echo`` with
-``logprobs`` (no prompt logprobs). Output constraints (``response_format``, vLLM's ``structured_outputs``
-and ``guided_*``, a ``required`` or named ``tool_choice``) become ``SamplingParams.structured_outputs``
+``logprobs`` (``prompt_logprobs`` gives those), ``priority`` other than 0, ``prompt_logprobs`` with
+``stream`` (as vLLM). ``truncate_prompt_tokens`` keeps a prompt's last k tokens (-1: max_model_len).
+Output constraints (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``, a
+``required`` or named ``tool_choice``) become ``SamplingParams.structured_outputs``
 (``api.structured``); more than one at once is a 400 naming them. Every numeric field
 is checked against the ranges of ``api.limits`` (integers that fit the engine's types, finite floats
 in the sampler's ranges), every text field for lone surrogates (UTF-8 cannot carry them), and prompt
@@ -155,6 +157,9 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Text | None = None
+    prompt_logprobs: Int["prompt_logprobs"] | None = None  # per prompt token: its logprob, rank and the top k
+    truncate_prompt_tokens: Int["truncate_prompt_tokens"] | None = None  # keep the last k (-1: max_model_len)
+    priority: int = 0  # no priority scheduling: only the default is accepted
     # output constraints: OpenAI's response_format; vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -168,6 +173,29 @@ class _SamplingRequest(OpenAIBaseModel):
     def _stop_text(cls, value: str | list[str] | None) -> str | list[str] | None:
         for text in [value] if isinstance(value, str) else value or ():
             _checked_text(text)
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise PydanticCustomError("invalid_value", "truncate_prompt_tokens must be -1 (keep max_model_len "
+                                                       "tokens) or at least 1, got 0")
+        return value
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_unstreamed(self) -> _SamplingRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            raise PydanticCustomError("not_supported", "prompt_logprobs are not available when stream is true")
+        return self
+
+    @field_validator("priority")
+    @classmethod
+    def _no_priority(cls, value: int) -> int:
+        if value != 0:
+            raise PydanticCustomError("not_supported", "priority other than 0 is not supported (requests are "
+                                                       "served first come, first served), got {value}",
+                                      {"value": value})
         return value
 
     @field_validator("logit_bias")
@@ -217,7 +245,7 @@ class _SamplingRequest(OpenAIBaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             presence_penalty=default(self.presence_penalty, 0.0),
             frequency_penalty=default(self.frequency_penalty, 0.0),
             repetition_penalty=default(self.repetition_penalty, 1.0),
@@ -278,7 +306,8 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _no_echo_logprobs(cls, value: bool, info) -> bool:
         if value and info.data.get("logprobs") is not None:
-            raise PydanticCustomError("not_supported", "echo with logprobs is not supported (no prompt logprobs)")
+            raise PydanticCustomError("not_supported", "echo with logprobs is not supported (prompt_logprobs "
+                                                       "gives the prompt's logprobs)")
         return value
 
     def to_sampling_params(self) -> SamplingParams:

@@ -65,10 +65,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's ``prompt_logprobs`` dict (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs: first entry null, as vLLM
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended the choice
     token_ids: list[int] | None = None  # the choice's generated token ids, with return_token_ids
@@ -76,6 +88,8 @@ class CompletionChoice(BaseModel):
     def extend(self, delta: CompletionChoice) -> None:
         """Append a later delta of the same choice."""
         self.text += delta.text
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if self.token_ids is not None and delta.token_ids is not None:
             self.token_ids.extend(delta.token_ids)
         if self.logprobs is not None and delta.logprobs is not None:
@@ -168,6 +182,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs, as vLLM
 
 
 class DeltaFunctionCall(BaseModel):

@@ -30,7 +30,8 @@ from pydantic import BaseModel
 
 from api.engine_client import AsyncLLMClient, EngineClient, EngineStreams
 from api.errors import OpenAIError
-from api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from api.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, check_prompt_count
+from api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
 from api.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  NamedToolChoice, TokenizeRequest)
 from api.openai_responses import (ChatChoice, ChatCompletionResponse, ChatCompletionStreamResponse,
@@ -41,7 +42,7 @@ from api.openai_responses import (ChatChoice, ChatCompletionResponse, ChatComple
 from api.tool_parsers import (DEFAULT_TOOL_PARSER, TOOL_PARSERS, NamedCallParser, RequiredCallsParser,
                               ToolCallExtractor, ToolParser, check_tool_parser)
 from engine.messages import CompletionOutput, RequestOutput, merge_outputs
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from engine.tokenizer import Tokenizer
 
 __all__ = ["AsyncLLMClient", "EngineClient", "EventStream", "OpenAIError", "OpenAIServing"]
@@ -87,7 +88,9 @@ class OpenAIServing:
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, served_model_name: str,
                  max_model_len: int, stream_interval: int = 1,
-                 tool_call_parser: str = DEFAULT_TOOL_PARSER) -> None:
+                 tool_call_parser: str = DEFAULT_TOOL_PARSER,
+                 max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                 max_logprobs: int = MAX_LOGPROBS) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.tool_call_parser = check_tool_parser(tool_call_parser)
@@ -96,6 +99,8 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
+        self.max_prompts_per_request = max_prompts_per_request
+        self.max_logprobs = max_logprobs  # the engine's: the cap of every logprobs field
         self.token_texts = TokenTexts(tokenizer)
         self._tasks: set[asyncio.Task] = set()  # engine streams in flight
 
@@ -104,7 +109,8 @@ class OpenAIServing:
     @_openai_errors
     async def completions(self, req: CompletionRequest) -> dict | EventStream:
         self._check_model(req.model)
-        texts, prompts = self._completion_prompts(req.prompt)
+        self._check_logprobs(req, "logprobs", "prompt_logprobs")
+        texts, prompts = self._completion_prompts(req.prompt, req.truncate_prompt_tokens)
         params = req.to_sampling_params()
         for prompt in prompts:
             self._check_length(len(prompt), params.max_tokens, "prompt")
@@ -129,15 +135,18 @@ class OpenAIServing:
     @_openai_errors
     async def chat_completions(self, req: ChatCompletionRequest) -> dict | EventStream:
         self._check_model(req.model)
+        self._check_logprobs(req, "top_logprobs", "prompt_logprobs")
         prompt = self._chat_prompt([m.for_template() for m in req.messages], req.add_generation_prompt,
                                    req.chat_template_kwargs, req.tools_for_template())
+        prompt = self._truncated(prompt, req.truncate_prompt_tokens)
         params = req.to_sampling_params()
         self._check_length(len(prompt), params.max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(request_id, [prompt], params, req.cache_salt)
         usage = UsageCounter([prompt])
         tool_parser = self._tool_parser(req)
-        choices = self._chat_choices(streams, params, usage, tool_parser)
+        prompt_lps: dict[int, list] = {}  # with prompt_logprobs: the engine's, once they came
+        choices = self._chat_choices(streams, params, usage, tool_parser, prompt_lps)
         if req.stream:
             # with tools the opening delta carries no content: a message of calls only has none
             chunks = self._chat_chunks(request_id, params.n, choices, usage, req.include_usage,
@@ -149,7 +158,9 @@ class OpenAIServing:
                 merged.setdefault(delta.index, ChatChoice(index=delta.index, message=ChatResponseMessage(content="")))
                 merged[delta.index].extend(delta)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, usage=usage.info(),
-                                      choices=[merged[i] for i in sorted(merged)]).model_dump(mode="json")
+                                      choices=[merged[i] for i in sorted(merged)],
+                                      prompt_logprobs=(prompt_logprobs(self.token_texts, prompt_lps[0])
+                                                       if 0 in prompt_lps else None)).model_dump(mode="json")
 
     async def models(self) -> dict:
         return ModelList(data=[self._model_card()]).model_dump(mode="json")
@@ -191,13 +202,39 @@ class OpenAIServing:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model",
                               "model_not_found")
 
-    def _completion_prompts(self, prompt: str | list) -> tuple[list[str | None], list[list[int]]]:
-        """(text or None, token ids) per prompt of a completion request."""
+    def _check_logprobs(self, req, *names: str) -> None:
+        """The engine's max_logprobs caps these fields (named in the 400; the engine checks it again)."""
+        for name in names:
+            value = getattr(req, name)
+            if value is not None and value > self.max_logprobs:
+                raise OpenAIError.bad_request(f"{name} must be at most {self.max_logprobs} (the server's "
+                                              f"max_logprobs), got {value}", name)
+
+    def _completion_prompts(self, prompt: str | list, truncate: int | None = None
+                            ) -> tuple[list[str | None], list[list[int]]]:
+        """(text or None, token ids) per prompt of a completion request, each cut to its last
+        ``truncate`` tokens (a cut prompt's text is None: it is decoded from the ids kept)."""
         items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
         if not items:
             raise OpenAIError.bad_request("prompt must not be empty", "prompt")
+        try:
+            check_prompt_count(len(items), self.max_prompts_per_request)
+        except ValueError as exc:
+            raise OpenAIError.bad_request(str(exc), "prompt") from None
         texts = [p if isinstance(p, str) else None for p in items]
-        return texts, [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+        cut = [self._truncated(p, truncate) for p in prompts]
+        return [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)], cut
+
+    def _truncated(self, prompt: list[int], truncate: int | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: max_model_len of them)."""
+        if truncate is None:
+            return prompt
+        if truncate > self.max_model_len:
+            raise OpenAIError.bad_request(f"truncate_prompt_tokens must be at most max_model_len "
+                                          f"({self.max_model_len}), got {truncate}", "truncate_prompt_tokens")
+        keep = self.max_model_len if truncate == -1 else truncate
+        return prompt[-keep:]
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
@@ -248,13 +285,16 @@ class OpenAIServing:
 
     # --- output ----------------------------------------------------------------------------------
 
-    async def _samples(self, streams: EngineStreams, n: int, usage: UsageCounter
+    async def _samples(self, streams: EngineStreams, n: int, usage: UsageCounter, prompt_lps: dict | None = None
                        ) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """Each engine delta's samples; with ``stream_interval`` > 1 a prompt's deltas are held and
-        merged until one of its samples has that many new tokens or the request finishes."""
+        merged until one of its samples has that many new tokens or the request finishes. A prompt's
+        prompt logprobs go to ``prompt_lps[prompt index]`` when they come."""
         held: dict[int, RequestOutput] = {}
         async for prompt_index, output in streams:
             usage.add(prompt_index, output)
+            if prompt_lps is not None and output.prompt_logprobs is not None:
+                prompt_lps[prompt_index] = output.prompt_logprobs
             if self.stream_interval > 1:
                 if prompt_index in held:
                     output = merge_outputs(held.pop(prompt_index), output, RequestOutputKind.DELTA)
@@ -269,25 +309,35 @@ class OpenAIServing:
                                   ) -> AsyncIterator[CompletionChoice]:
         """One delta choice per engine delta per sample: echoed prompt first, logprobs with offsets."""
         offsets: dict[int, int] = {}  # choice index -> characters so far, once the choice started
-        async for index, sample in self._samples(streams, params.n, usage):
+        prompt_lps: dict[int, list] = {}  # prompt index -> the engine's prompt logprobs, once they came
+        rendered: dict[int, list] = {}
+        with_prompt_lps: set[int] = set()
+        async for index, sample in self._samples(streams, params.n, usage, prompt_lps):
             text = sample.text
             if echo is not None and index not in offsets:
                 text = echo[index // params.n] + text
             logprobs, offsets[index] = None, offsets.get(index, 0)
             if params.logprobs is not None:
                 logprobs, offsets[index] = completion_logprobs(self.token_texts, sample, offsets[index])
-            yield CompletionChoice(index=index, text=text, logprobs=logprobs,
+            prompt_entries = None  # each choice carries its prompt's prompt logprobs once (its first delta)
+            if index not in with_prompt_lps and index // params.n in prompt_lps:
+                with_prompt_lps.add(index)
+                if index // params.n not in rendered:
+                    rendered[index // params.n] = prompt_logprobs(self.token_texts, prompt_lps[index // params.n])
+                prompt_entries = rendered[index // params.n]
+            yield CompletionChoice(index=index, text=text, logprobs=logprobs, prompt_logprobs=prompt_entries,
                                    finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
                                    token_ids=list(sample.token_ids) if token_ids else None)
 
     async def _chat_choices(self, streams: EngineStreams, params: SamplingParams, usage: UsageCounter,
-                            tool_parser: ToolParser | None = None) -> AsyncIterator[ChatStreamChoice]:
+                            tool_parser: ToolParser | None = None, prompt_lps: dict | None = None
+                            ) -> AsyncIterator[ChatStreamChoice]:
         """One delta choice per engine delta per sample. With a tool parser each sample's text so far
         is scanned for calls: the delta carries the new content and call pieces, and a sample that
         made calls and stopped finishes with ``tool_calls``."""
         extractors: dict[int, ToolCallExtractor] = {}
         texts: dict[int, str] = {}  # each sample's text so far
-        async for index, sample in self._samples(streams, params.n, usage):
+        async for index, sample in self._samples(streams, params.n, usage, prompt_lps):
             logprobs = None
             if params.logprobs is not None:
                 logprobs = chat_logprobs(self.token_texts, sample, params.logprobs)

@@ -39,7 +39,7 @@ ENGINE_KWARGS = frozenset({
     "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "seed", "placement_strategy", "attention_backend", "cascade_attention", "max_worker_restarts",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
-    "max_stop_token_ids", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
+    "max_stop_token_ids", "max_stop_string_length", "max_stop_total_length", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
     "enforce_eager",
 })
 # Serve deployment options that deployment_config / ingress_deployment_config may set
@@ -124,6 +124,10 @@ class AppArgs(BaseModel):
     max_logprobs: int = 20
     max_stop_sequences: int = 64
     max_stop_token_ids: int = 1024
+    max_stop_string_length: int = 1024  # characters of one stop string, and of all of them
+    max_stop_total_length: int = 16384
+    max_prompts_per_request: int = Field(256, ge=1)  # the Ingress's caps: prompts in one completion request,
+    max_request_body_bytes: int = Field(32 * 2**20, ge=1)  # and the bytes of one HTTP request body
     num_replicas: int | None = None
     min_replicas: int | None = None
     max_replicas: int | None = None

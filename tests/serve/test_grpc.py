@@ -195,7 +195,7 @@ OUT_OF_RANGE = {  # field values the proto types admit and the API refuses (api/
     "max_tokens": (dict(max_tokens=UINT32_MAX), f"max_tokens must be an integer in [1, {INT32_MAX}], got {UINT32_MAX}"),
     "min_tokens": (dict(min_tokens=2**31), f"min_tokens must be an integer in [0, {INT32_MAX}], got {2**31}"),
     "top_k": (dict(top_k=-2), f"top_k must be an integer in [-1, {INT32_MAX}], got -2"),
-    "logprobs": (dict(logprobs=21), "logprobs must be an integer in [0, 20], got 21"),
+    "logprobs": (dict(logprobs=2**31), f"logprobs must be an integer in [0, {INT32_MAX}], got {2**31}"),
     "stop_token_ids": (dict(stop_token_ids=[3, UINT32_MAX]),
                        f"stop_token_ids must hold integers in [0, {INT32_MAX}], got {UINT32_MAX}"),
     "temperature_nan": (dict(temperature=float("nan")), "temperature must be a finite number in [0, 100], got nan"),
@@ -211,6 +211,9 @@ OUT_OF_RANGE = {  # field values the proto types admit and the API refuses (api/
     "max_n": (dict(n=20000, max_tokens=2), "n must be at most 128 (the engine's max_n), got 20000"),
     "max_stop_sequences": (dict(stop=[f"s{i}" for i in range(1000)]),
                            "at most 64 stop strings are allowed (the engine's max_stop_sequences), got 1000"),
+    "max_logprobs": (dict(logprobs=21), "logprobs must be at most 20 (the engine's max_logprobs), got 21"),
+    "max_stop_string_length": (dict(stop=["s" * 1025]), "a stop string may hold at most 1024 characters (the "
+                                                        "engine's max_stop_string_length), got 1025"),
 }
 
 
