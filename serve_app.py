@@ -29,7 +29,6 @@ import functools
 import json
 import logging
 import os
-import time
 import uuid
 from pathlib import Path
 
@@ -102,11 +101,8 @@ class ServeEngineClient:
         finished = False
         engine_name = None
         try:
-            _t0 = time.monotonic()
             try:
                 engine_name = await call.__anext__()
-                with open("/tmp/h1/ingress_times.txt", "a") as f:
-                    f.write(f"admit ok {_t0:.4f} {time.monotonic() - _t0:.4f}\n")
             except RayTaskError as exc:  # refused by the replica or its engine: nothing to cancel
                 finished = True
                 raise _cause(exc) from None
@@ -115,8 +111,6 @@ class ServeEngineClient:
                 self.engines.recheck()
                 raise EngineUnavailableError(ENGINE_STOPPED + "; retry shortly") from None
             except BackPressureError:  # refused by Serve's router
-                with open("/tmp/h1/ingress_times.txt", "a") as f:
-                    f.write(f"admit backpressure {_t0:.4f} {time.monotonic() - _t0:.4f}\n")
                 finished = True
                 raise EngineOverloadedError("every replica is at its queue bound; retry later") from None
             self._engine_of[engine_id] = engine_name
