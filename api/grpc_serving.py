@@ -73,7 +73,7 @@ def _field(message: Any, name: str, default: Any) -> Any:
 
 def check_ranges(p: pb.SamplingParameters) -> None:
     """The ranges of ``api.limits`` (as the HTTP API's): ValueError naming the first field outside."""
-    for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"):
+    for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
         if name not in ("top_k", "min_tokens") and not p.HasField(name):
             continue
         check_int(name, getattr(p, name))
@@ -118,6 +118,7 @@ def sampling_params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=_field(p, "skip_special_tokens", True), logprobs=_field(p, "logprobs", None),
+        prompt_logprobs=_field(p, "prompt_logprobs", None),
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=_field(p, "repetition_penalty", 1.0), output_kind=RequestOutputKind.DELTA,
         structured_outputs=constraint_from_proto(p),
@@ -139,6 +140,12 @@ def request_to_engine(req: pb.GenerateRequest, tokenizer: Tokenizer) -> tuple[li
         raise ValueError("the request has no prompt: set `text` or `token_ids`")
     if not token_ids:
         raise ValueError("the prompt is empty")
+    if req.params.HasField("truncate_prompt_tokens"):
+        keep = req.params.truncate_prompt_tokens
+        check_int("truncate_prompt_tokens", keep, "prompt_logprobs")  # within int32
+        if keep == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1, got 0")
+        token_ids = token_ids[-keep:]
     return token_ids, sampling_params_from_proto(req.params), req.cache_salt or None
 
 
@@ -192,6 +199,19 @@ def new_request_id() -> str:
     return f"grpc-{uuid.uuid4().hex}"
 
 
+def _prompt_logprobs_to_proto(entries: list, prompt_token_ids: list[int], k: int) -> list[pb.PromptLogprob]:
+    """One message per prompt token after the first: its logprob and rank, and the k most likely tokens
+    (most likely first; the prompt's token among them only where it is one of them)."""
+    messages = []
+    for token_id, entry in zip(prompt_token_ids[1:], entries[1:]):
+        logprob, rank = entry[token_id]
+        ranked = sorted(entry.items(), key=lambda item: item[1][1])
+        top = [(t, lp) for t, (lp, r) in ranked if t != token_id or r <= k][:k]
+        messages.append(pb.PromptLogprob(token_id=token_id, logprob=logprob, rank=rank,
+                                         top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top]))
+    return messages
+
+
 async def _responses(req: pb.GenerateRequest, client: EngineClient, tokenizer: Tokenizer
                      ) -> AsyncIterator[pb.GenerateResponse]:
     """One GenerateResponse per engine delta (only the samples with news), the usage on the last.
@@ -210,6 +230,9 @@ async def _responses(req: pb.GenerateRequest, client: EngineClient, tokenizer: T
             usage.cached_tokens = output.num_cached_tokens
             message = pb.GenerateResponse(request_id=request_id,
                                           completions=[_completion_to_proto(c, num_top) for c in output.outputs])
+            if output.prompt_logprobs is not None:
+                message.prompt_logprobs.extend(_prompt_logprobs_to_proto(output.prompt_logprobs, prompt_token_ids,
+                                                                         params.prompt_logprobs or 0))
             if output.finished:
                 message.usage.CopyFrom(usage)
             yield message
@@ -300,6 +323,7 @@ async def generate(req: pb.GenerateRequest, client: EngineClient, tokenizer: Tok
         async with contextlib.aclosing(_responses(req, client, tokenizer)) as stream:
             async for message in stream:
                 response.request_id = message.request_id
+                response.prompt_logprobs.extend(message.prompt_logprobs)
                 if message.HasField("usage"):
                     response.usage.CopyFrom(message.usage)
                 for c in message.completions:

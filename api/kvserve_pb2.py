@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x61pi/kvserve.proto\x12\nkvserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x98\x05\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x08\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x13.kvserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xae\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12.\n\x06params\x18\x03 \x01(\x0b\x32\x1e.kvserve.v1.SamplingParameters\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"\xbe\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprobB\r\n\x0bstop_reason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"u\n\x10GenerateResponse\x12+\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.Completion\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t2\x9f\x01\n\x07KVServe\x12\x45\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x61pi/kvserve.proto\x12\nkvserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x8a\x06\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x08\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x13.kvserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x12\x1c\n\x0fprompt_logprobs\x18\x17 \x01(\rH\t\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x18 \x01(\rH\n\x88\x01\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xae\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12.\n\x06params\x18\x03 \x01(\x0b\x32\x1e.kvserve.v1.SamplingParameters\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"e\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"\xbe\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprobB\r\n\x0bstop_reason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa9\x01\n\x10GenerateResponse\x12+\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.Completion\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x32\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x19.kvserve.v1.PromptLogprob2\x9f\x01\n\x07KVServe\x12\x45\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=33
   _globals['_TOKENIDS']._serialized_end=56
   _globals['_SAMPLINGPARAMETERS']._serialized_start=59
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=723
-  _globals['_CHOICES']._serialized_start=725
-  _globals['_CHOICES']._serialized_end=751
-  _globals['_GENERATEREQUEST']._serialized_start=754
-  _globals['_GENERATEREQUEST']._serialized_end=928
-  _globals['_TOPLOGPROB']._serialized_start=930
-  _globals['_TOPLOGPROB']._serialized_end=977
-  _globals['_TOKENLOGPROB']._serialized_start=979
-  _globals['_TOKENLOGPROB']._serialized_end=1065
-  _globals['_COMPLETION']._serialized_start=1068
-  _globals['_COMPLETION']._serialized_end=1258
-  _globals['_USAGE']._serialized_start=1260
-  _globals['_USAGE']._serialized_end=1340
-  _globals['_GENERATERESPONSE']._serialized_start=1342
-  _globals['_GENERATERESPONSE']._serialized_end=1459
-  _globals['_KVSERVE']._serialized_start=1462
-  _globals['_KVSERVE']._serialized_end=1621
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=837
+  _globals['_CHOICES']._serialized_start=839
+  _globals['_CHOICES']._serialized_end=865
+  _globals['_GENERATEREQUEST']._serialized_start=868
+  _globals['_GENERATEREQUEST']._serialized_end=1042
+  _globals['_TOPLOGPROB']._serialized_start=1044
+  _globals['_TOPLOGPROB']._serialized_end=1091
+  _globals['_TOKENLOGPROB']._serialized_start=1093
+  _globals['_TOKENLOGPROB']._serialized_end=1179
+  _globals['_PROMPTLOGPROB']._serialized_start=1181
+  _globals['_PROMPTLOGPROB']._serialized_end=1282
+  _globals['_COMPLETION']._serialized_start=1285
+  _globals['_COMPLETION']._serialized_end=1475
+  _globals['_USAGE']._serialized_start=1477
+  _globals['_USAGE']._serialized_end=1557
+  _globals['_GENERATERESPONSE']._serialized_start=1560
+  _globals['_GENERATERESPONSE']._serialized_end=1729
+  _globals['_KVSERVE']._serialized_start=1732
+  _globals['_KVSERVE']._serialized_end=1891
 # @@protoc_insertion_point(module_scope)
