@@ -24,7 +24,7 @@ from workers.kv_pool import KVPoolSpec, allocate_kv_pool
 from workers.layers.kernels import bind_cpu_kernels, bind_layer_ops
 from workers.models.registry import kv_cache_shape, resolve_architecture
 from workers.parallel_state import TPGroup
-from workers.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
+from workers.prompt_logprobs import ROWS_PER_SLICE, compute_prompt_logprobs, plan_prompt_rows
 from workers.sampler import GrammarMask, Sampler, SamplingRow
 from workers.weight_loader import iter_checkpoint
 
@@ -182,8 +182,9 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sample_rows else None
         prompt_rows = plan_prompt_rows(batch.req_ids, batch.attn_meta.query_lens, self.batch.requests)
-        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, prompt_rows, self.tp.is_first_rank) \
-            if prompt_rows else {}
+        prompt_logprobs = compute_prompt_logprobs(
+            self.model, hidden, prompt_rows, self.tp.is_first_rank,
+            min(ROWS_PER_SLICE, self.config.scheduler.max_num_seqs)) if prompt_rows else {}
         if events is not None:
             events[1].record()
         forward_time = time.perf_counter() - forward_start

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROWS_PER_SLICE = 256  # logits rows computed at once: 256 x a 152k vocabulary in float32 is 150 MiB
+ROWS_PER_SLICE = 256  # logits rows computed at once, at most: 256 x a 152k vocabulary in float32 is 150 MiB
 
 
 @dataclass
@@ -46,14 +46,17 @@ def plan_prompt_rows(req_ids: list[str], query_lens: list[int], requests: dict) 
 
 
 @torch.inference_mode()
-def compute_prompt_logprobs(model, hidden: torch.Tensor, plans: list[PromptRows], is_first_rank: bool
+def compute_prompt_logprobs(model, hidden: torch.Tensor, plans: list[PromptRows], is_first_rank: bool,
+                            rows_per_slice: int = ROWS_PER_SLICE
                             ) -> dict[str, tuple[int, list[dict[int, tuple[float, int]]]]]:
-    """req_id -> (first position, one entry per predicted prompt token) on rank 0; {} elsewhere."""
+    """req_id -> (first position, one entry per predicted prompt token) on rank 0; {} elsewhere.
+    ``rows_per_slice``: the runner passes at most ``max_num_seqs``, the rows whose logits and sampler
+    temporaries the memory profile measured."""
     result: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = {}
     for plan in plans:
         entries: list[dict[int, tuple[float, int]]] = []
-        for a in range(0, len(plan.targets), ROWS_PER_SLICE):
-            b = min(a + ROWS_PER_SLICE, len(plan.targets))
+        for a in range(0, len(plan.targets), rows_per_slice):
+            b = min(a + rows_per_slice, len(plan.targets))
             logits = model.compute_logits(hidden[plan.flat_start + a:plan.flat_start + b])
             if is_first_rank:
                 entries += _entries(logits, plan.targets[a:b], plan.k)

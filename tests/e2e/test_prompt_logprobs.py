@@ -48,7 +48,8 @@ def check(prompt_logprobs, prompt: list[int], reference, k: int) -> None:
 
 def test_prompt_logprobs_match_hf_in_one_prefill_and_chunked(model_dirs, prompt, reference):
     whole = LLM(model=model_dirs[ARCH], enable_prefix_caching=False)
-    chunked = LLM(model=model_dirs[ARCH], enable_prefix_caching=False, max_num_batched_tokens=48)
+    # chunks of at most 48 tokens, their logits in slices of max_num_seqs = 16 rows
+    chunked = LLM(model=model_dirs[ARCH], enable_prefix_caching=False, max_num_batched_tokens=48, max_num_seqs=16)
     with whole, chunked:
         for llm in (whole, chunked):
             out = llm.generate({"prompt_token_ids": prompt}, params(3))[0]

@@ -96,6 +96,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http, run, model_dir):  # 
     assert cut["choices"][0]["token_ids"] == sent["choices"][0]["token_ids"]
     text = complete(http, run, prompt="The quick brown fox jumps over", truncate_prompt_tokens=3, echo=True).json()
     assert text["usage"]["prompt_tokens"] == 3
+    chat = run(http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "truncate_prompt_tokens": 4,
+                                                       "messages": [{"role": "user", "content": "hello there"}]}))
+    assert chat.json()["usage"]["prompt_tokens"] == 4
     assert_error(complete(http, run, prompt="x", truncate_prompt_tokens=0), 400, "truncate_prompt_tokens")
     error = assert_error(complete(http, run, prompt="x", truncate_prompt_tokens=10**6), 400, "truncate_prompt_tokens")
     assert error["message"].startswith("truncate_prompt_tokens must be at most max_model_len")
