@@ -93,6 +93,21 @@ def test_errors_have_openai_bodies(served, client):
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
+def test_request_caps_through_serve(served):
+    """The app's default caps reach the Ingress: 256 prompts per request, a 32 MiB body (413 before
+    it is parsed), max_logprobs 20."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{served['url']}/v1/completions", headers=auth, timeout=60,
+                   json={"model": MODEL, "prompt": [[5]] * 257, "max_tokens": 1})
+    assert r.status_code == 400 and "max_prompts_per_request" in r.json()["error"]["message"]
+    r = httpx.post(f"{served['url']}/v1/completions", content=b" " * (32 * 2**20 + 1), timeout=60,
+                   headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 413 and "max_request_body_bytes" in r.json()["error"]["message"]
+    r = httpx.post(f"{served['url']}/v1/completions", headers=auth, timeout=60,
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 1, "logprobs": 21})
+    assert r.json()["error"]["message"] == "logprobs must be at most 20 (the server's max_logprobs), got 21"
+
+
 def test_python_handles(served, offline):
     handle = served["handle"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
