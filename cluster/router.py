@@ -27,6 +27,11 @@ Reports lag (one per ``request_routing_stats_period_s``), so each routing record
 chain at the chosen replica (and again at the replica that accepted it, ``on_request_routed``):
 same-prefix requests stick within a period, bursts included. A recorded chain lives until the
 *second* report after it; the first may predate the request reaching the replica's cache.
+
+A report (``engine/prefix_report.py``) is a base, ``prefix_hashes``, plus the hashes added and
+removed since it, ``prefix_added`` / ``prefix_removed``: the base is parsed only when it changes
+(every few thousand changes), each report's changes are small. Every report stands alone, so a
+router that saw only some of them holds the same set as one that saw all.
 """
 
 from __future__ import annotations
@@ -62,6 +67,24 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: s
 def parse_hashes(raw: bytes) -> set[int]:
     """``record_routing_stats()["prefix_hashes"]`` (8-byte hashes, concatenated) as a set of ints."""
     return set(array(WORD, raw[:len(raw) - len(raw) % HASH_BYTES]))
+
+
+class ReportedHashes:
+    """A replica's reported hashes: ``(base - removed) | added``, without building that set."""
+
+    __slots__ = ("base", "added", "removed")
+
+    def __init__(self, base: set[int] | None = None, added: set[int] | None = None,
+                 removed: set[int] | None = None) -> None:
+        self.base = base if base is not None else set()
+        self.added = added if added is not None else set()
+        self.removed = removed if removed is not None else set()
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.added or (h in self.base and h not in self.removed)
+
+    def as_set(self) -> set[int]:
+        return (self.base - self.removed) | self.added
 
 
 def match_length(prompt_hashes: Sequence[int], *present: Container[int]) -> int:
@@ -112,8 +135,8 @@ def choose_by_prefix(
 class ReplicaPrefixState:
     """What the router believes one replica's prefix cache holds.
 
-    Invariants: ``reported == parse_hashes(raw)`` for the last report (a non-empty stats dict that
-    differs from the one before); ``generation`` counts those reports; ``recent`` maps hashes of
+    Invariants: ``reported`` holds ``parse_hashes(raw)`` less the report's ``prefix_removed`` plus its
+    ``prefix_added`` for the last report (a non-empty stats dict that differs from the one before); ``generation`` counts those reports; ``recent`` maps hashes of
     chains routed here to the generation current when routed, in LRU order, at most ``max_recent``
     of them, each chain inserted tail first (eviction shortens a chain, never beheads it), and no
     entry is older than the previous report (tag >= generation - 1).
@@ -122,13 +145,14 @@ class ReplicaPrefixState:
     def __init__(self, max_recent: int = 8192) -> None:
         self.max_recent = max_recent
         self.raw = b""
-        self.reported: set[int] = set()
+        self.reported = ReportedHashes()
         self.recent: OrderedDict[int, int] = OrderedDict()
         self.generation = 0
         self.block_size: int | None = None
         self.load: int | None = None
         self._seen: object = None  # the stats object last observed (identity: skip unchanged)
         self._last_report: Mapping[str, Any] = {}
+        self._delta: tuple[bytes, bytes] = (b"", b"")  # the last report's added and removed hashes
 
     @property
     def holding(self) -> tuple[Container[int], ...]:
@@ -146,9 +170,12 @@ class ReplicaPrefixState:
         self.block_size = stats.get("block_size") or None
         waiting, running = stats.get("num_waiting"), stats.get("num_running")
         self.load = None if waiting is None and running is None else (waiting or 0) + (running or 0)
-        raw = stats.get("prefix_hashes") or b""
-        if raw != self.raw:
-            self.raw, self.reported = raw, parse_hashes(raw)
+        raw, delta = stats.get("prefix_hashes") or b"", (stats.get("prefix_added") or b"",
+                                                          stats.get("prefix_removed") or b"")
+        if raw != self.raw or delta != self._delta:
+            base = self.reported.base if raw == self.raw else parse_hashes(raw)  # new every few thousand changes
+            self.raw, self._delta = raw, delta
+            self.reported = ReportedHashes(base, parse_hashes(delta[0]), parse_hashes(delta[1]))
         self.generation += 1
         for h in [h for h, tag in self.recent.items() if tag < self.generation - 1 or h in self.reported]:
             del self.recent[h]

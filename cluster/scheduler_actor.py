@@ -155,8 +155,10 @@ class SchedulerActor:
     def routing_stats(self) -> dict:
         """What a prefix-aware router needs: the cached block hashes. (Load comes from Serve's own
         queue lengths; reporting it here would change the stats, and make Serve's controller
-        rebroadcast them, every period.)"""
-        return {"prefix_hashes": self.engine.cached_prefix_hashes(), "block_size": self.config.cache.block_size}
+        rebroadcast them, every period.) The hashes come as a base and the changes since it
+        (``engine/prefix_report.py``): only the changes since the last call are read under the
+        engine's lock."""
+        return {**self.engine.routing_report(), "block_size": self.config.cache.block_size}
 
     def placement(self) -> dict:
         """Placement group ids of this actor and of its ranks (tp > 1)."""

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineDeadError, EngineOverloadedError, PromptType, RequestFailedError
 from engine.messages import RequestOutput, merge_outputs
+from engine.prefix_report import PrefixReport
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ class AsyncLLM:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+        # the router's report: only what changed since the last one is read under the lock
+        self._prefix_report = PrefixReport(lambda cursor: self.core.scheduler.kv.block_pool.recent.read(cursor),
+                                           self.core.lock)
 
     def submit(
         self,
@@ -148,6 +152,13 @@ class AsyncLLM:
         concatenated (a routing summary: a router matches a prompt's chain of hashes against it).
         Safe to call from any thread: a consistent snapshot, taken between the step's changes."""
         return self.core.cached_prefix_hashes(limit)
+
+    def routing_report(self) -> dict:
+        """The prefix cache's routing report as a router merges it (``engine/prefix_report.py``):
+        ``prefix_hashes`` (a base), ``prefix_added`` and ``prefix_removed`` (the changes since). Under
+        the engine's lock it copies only the changes since the last report (the whole set of 16384
+        hashes on the first one)."""
+        return self._prefix_report.report()
 
     def _submit(self, command: tuple) -> None:
         self._commands.append(command)

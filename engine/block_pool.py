@@ -16,13 +16,23 @@ is ordered for eviction, least recently freed at the head; the fresh ids come fi
 get_new_blocks takes from the head (fresh ids first, each made into a block as it is handed out);
 free appends at the tail. This is the order of a queue that starts as 1 .. N-1 with every block made,
 so a pool of millions of blocks costs nothing at start and only what it has used since.
+
+Two summaries are kept as the pool changes, so that readers on other threads (the router's report,
+the dashboard) copy them under the engine's lock instead of walking the pool: ``recent`` (the
+routing report's hashes by recency of use, and the log of its changes: ``engine/prefix_report.py``)
+and ``states`` (one byte per block id: ``f`` free, ``c`` cached, ``u`` used by one request, ``s``
+shared; it covers the blocks made so far, fresh ids being free).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 
 from engine.block_hash import BlockHash
+from engine.prefix_report import REPORT_LIMIT, RecentHashes
+
+FREE, CACHED, USED, SHARED = b"fcus"  # a block's state in ``BlockPool.states``
 
 
 class KVCacheBlock:
@@ -157,7 +167,7 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Hands out blocks, takes them back, and keeps the hash -> block map of the prefix cache."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, report_limit: int = REPORT_LIMIT) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -175,6 +185,10 @@ class BlockPool:
         # called with a cached block about to be evicted (hash and token ids still set): the host
         # tier's chance to copy it out
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
+        # whether a hash is held outside the pool (the host tier): it then stays in ``recent``
+        self.held_elsewhere: Callable[[BlockHash], bool] | None = None
+        self.recent = RecentHashes(report_limit)
+        self.states = bytearray(b"u")  # by block id, of the made blocks (the null block's means nothing)
 
     @property
     def num_free_blocks(self) -> int:
@@ -221,6 +235,9 @@ class BlockPool:
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached.setdefault(block_hash, {})[block.block_id] = block
         self.num_cached_blocks += 1
+        self.recent.use(block_hash)
+        if not block.ref_cnt:
+            self.states[block.block_id] = CACHED
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
@@ -235,33 +252,40 @@ class BlockPool:
             self.num_cached_blocks -= 1
             if not blocks:
                 del self.cached[block.block_hash]
+                self.forget_elsewhere(block.block_hash, self.held_elsewhere)
         block.block_hash = block.token_ids = None
+        if not block.ref_cnt:
+            self.states[block.block_id] = FREE
         return True
 
+    def forget_elsewhere(self, block_hash: BlockHash, held_elsewhere: Callable[[BlockHash], bool] | None = None) -> None:
+        """A copy of ``block_hash`` left a place (the pool, or the host tier): unless the pool or
+        ``held_elsewhere`` still holds it, it leaves the routing report's hashes."""
+        if block_hash not in self.cached and not (held_elsewhere is not None and held_elsewhere(block_hash)):
+            self.recent.discard(block_hash)
+
+    def state_bytes(self) -> bytes:
+        """One state letter per usable block (ids 1 .. num_blocks - 1), fresh ids included: a copy of
+        ``states`` (memcpy speed), no walk over the blocks."""
+        return bytes(self.states[1:]) + bytes([FREE]) * self.num_fresh_blocks
+
     def hashes_by_recency(self, limit: int) -> list[BlockHash]:
-        """Up to ``limit`` distinct cached hashes, most recently used first: those of blocks in use
-        (a hit takes a block into use), then those of free blocks, the latest freed first (the
-        reverse of eviction order)."""
-        seen: dict[BlockHash, None] = {}
-        for block_hash, blocks in self.cached.items():
-            if any(b.ref_cnt for b in blocks.values()):
-                seen[block_hash] = None
-                if len(seen) >= limit:
-                    return list(seen)
-        for block in self.free_queue.freed_latest_first():  # fresh blocks hold no hash
-            if block.block_hash is not None and block.block_hash not in seen:
-                seen[block.block_hash] = None
-                if len(seen) >= limit:
-                    break
-        return list(seen)
+        """Up to ``limit`` distinct held hashes (the pool's, and the host tier's where ``held_elsewhere``
+        keeps them), most recently used first (``engine/prefix_report.py``: cached, hit or released;
+        a chain tail first). Reads ``limit`` entries, never the whole pool."""
+        return list(islice(self.recent.by_recency(), max(limit, 0)))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` from the head of the free queue (evicting their cached contents)."""
         blocks = self.free_queue.popleft_n(num_blocks)
+        states = self.states
+        if len(states) < len(self.blocks):  # fresh ids were made into blocks
+            states.extend(bytes([FREE]) * (len(self.blocks) - len(states)))
         for block in blocks:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
+            states[block.block_id] = USED
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -272,15 +296,30 @@ class BlockPool:
         self.num_evictions += 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on blocks another request is sharing (prefix hit or fork)."""
+        """Take a reference on blocks another request is sharing (prefix hit or fork). Their hashes
+        become the most recently used, the chain's first block last (the most recent of all)."""
+        blocks = blocks if isinstance(blocks, list) else list(blocks)
+        states = self.states
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            states[block.block_id] = USED if block.ref_cnt == 1 else SHARED
+        self.refresh(blocks)
+
+    def refresh(self, chain: list[KVCacheBlock]) -> None:
+        """The hashes of these blocks (a run of one request's table) become the most recently used,
+        the first block's last: of all of them, the first is the most recent."""
+        use = self.recent.use
+        for block in reversed(chain):
+            if block.block_hash is not None:
+                use(block.block_hash)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; those reaching zero join the free queue in this order
-        (so pass a request's blocks tail first: its tail is then evicted first)."""
+        (so pass a request's blocks tail first: its tail is then evicted first, and its first block
+        is the most recently used hash)."""
+        states, use = self.states, self.recent.use
         for block in ordered_blocks:
             if block.is_null:
                 continue
@@ -289,6 +328,11 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                states[block.block_id] = FREE if block.block_hash is None else CACHED
+            elif block.ref_cnt == 1:
+                states[block.block_id] = USED
+            if block.block_hash is not None:
+                use(block.block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is in use."""
@@ -298,4 +342,6 @@ class BlockPool:
             block.block_hash = block.token_ids = None
         self.cached.clear()
         self.num_cached_blocks = 0
+        self.recent.clear()
+        self.states[1:] = bytes([FREE]) * (len(self.states) - 1)
         return True

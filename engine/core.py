@@ -399,8 +399,9 @@ class EngineCore:
     def cached_prefix_hashes(self, limit: int = 16384) -> bytes:
         """The prefix cache's block hashes, most recently used first (a hit refreshes a block), 8
         bytes each, concatenated: a consistent snapshot, safe to take from any thread."""
-        with self.lock:
-            return self.scheduler.kv.cached_hash_digest(limit)
+        with self.lock:  # a copy of ``limit`` hashes (engine/prefix_report.py): never a pass over the pool
+            hashes = self.scheduler.kv.block_pool.hashes_by_recency(limit)
+        return b"".join(h[:8] for h in hashes)
 
     def stats(self) -> dict:
         with self.lock:

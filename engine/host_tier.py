@@ -17,6 +17,7 @@ pool.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
@@ -40,6 +41,8 @@ class HostTierIndex:
         self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))  # popped from the end: 0 first
         self._pinned: set[int] = set()
         self.num_evictions = 0  # entries dropped to make room
+        # called with the hash of an entry that leaves (dropped to make room, or removed; not on clear)
+        self.on_drop: Callable[[BlockHash], None] | None = None
 
     # --- read-only views (stats, the router's report, the KV map) --------------------------------
 
@@ -94,6 +97,8 @@ class HostTierIndex:
                 return None
             slot = self._entries.pop(victim).slot
             self.num_evictions += 1
+            if self.on_drop is not None:
+                self.on_drop(victim)
         entry = self._entries[block_hash] = TierEntry(slot, block_hash, token_ids)
         return entry
 
@@ -104,6 +109,8 @@ class HostTierIndex:
         del self._entries[entry.block_hash]
         self._pinned.discard(entry.slot)
         self._free_slots.append(entry.slot)
+        if self.on_drop is not None:
+            self.on_drop(entry.block_hash)
         return True
 
     def pin(self, slot: int) -> None:

@@ -44,6 +44,9 @@ class KVCacheManager:
         self._restoring: set[int] = set()  # pool blocks a pending restore will fill
         if self.host_tier is not None:
             self.block_pool.on_evict = self._offload
+            # a hash only the tier holds stays in the routing report until the tier drops it
+            self.block_pool.held_elsewhere = self.host_tier.__contains__
+            self.host_tier.on_drop = self.block_pool.forget_elsewhere
 
     @property
     def usage(self) -> float:
@@ -199,6 +202,7 @@ class KVCacheManager:
         for i in range(start, end):
             if self.block_pool.cache_block(table[i], request.block_hashes[i], request.block_token_ids(i)):
                 self._step_cached.append(table[i])
+        self.block_pool.refresh(table[start:end])  # in the routing report, the chain's head most recent
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def begin_step(self) -> None:
@@ -246,10 +250,6 @@ class KVCacheManager:
         return True
 
     def cached_hash_digest(self, limit: int) -> bytes:
-        """Up to ``limit`` cached block hashes, 8 bytes each, concatenated: the pool's, most recently
-        used first, then those only the host tier holds, most recently used first."""
-        hashes = self.block_pool.hashes_by_recency(limit)
-        if self.host_tier is not None and len(hashes) < limit:
-            seen = set(hashes)
-            hashes += [h for h in self.host_tier.hashes_by_recency(limit) if h not in seen][:limit - len(hashes)]
-        return b"".join(h[:8] for h in hashes)
+        """Up to ``limit`` of the routing report's hashes (the pool's, and those only the host tier
+        holds: ``engine/prefix_report.py``), most recently used first, 8 bytes each, concatenated."""
+        return b"".join(h[:8] for h in self.block_pool.hashes_by_recency(limit))

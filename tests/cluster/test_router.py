@@ -110,7 +110,7 @@ def test_stats_are_parsed_only_when_they_change():
     report = stats(CHAIN[:2], waiting=1, running=2)
     state.observe(report)
     parsed = state.reported
-    assert state.generation == 1 and state.load == 3 and state.block_size == BS and parsed == set(CHAIN[:2])
+    assert state.generation == 1 and state.load == 3 and state.block_size == BS and parsed.as_set() == set(CHAIN[:2])
     state.observe(report)
     state.observe(dict(report))  # the same report re-broadcast (a new object)
     assert state.generation == 1 and state.reported is parsed
