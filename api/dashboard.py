@@ -13,10 +13,15 @@ token to the data endpoint, which requires it like every other route.
 Query parameters keep each poll small: ``since`` (a time: only history samples taken after it) and
 ``known`` (comma-separated ``grid_id`` values the viewer already holds: those grids come back as
 null). Bodies over 1 KB are gzip-compressed for clients that accept it.
+
+Polls that arrive while the engines' snapshots are being gathered wait for that gathering and share
+it; each engine in turn reuses its snapshot for a second (``engine/kv_map.py``), so many viewers cost
+the engines one build per interval.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import time
@@ -74,6 +79,15 @@ def _known_ids(known: str) -> frozenset[str]:
     return frozenset(ids)
 
 
+async def gather_shared(state) -> dict:
+    """``state.kv_map()``, one call at a time: a poll that arrives while one runs waits for it and
+    shares its answer (or its error). A poll that goes away does not cancel the others' call."""
+    pending = getattr(state, "kv_map_pending", None)
+    if pending is None or pending.done():
+        pending = state.kv_map_pending = asyncio.ensure_future(state.kv_map())
+    return await asyncio.shield(pending)
+
+
 # --- routes (module-level: see api/http_app.py) -------------------------------------------------------
 
 
@@ -86,7 +100,7 @@ async def dashboard_page(request: Request) -> Response:
 async def dashboard_data(request: Request, since: float | None = Query(None, allow_inf_nan=False),
                          known: str = Query("", max_length=4096)) -> Response:
     known_ids = _known_ids(known)
-    snapshots = await request.app.state.kv_map()
+    snapshots = await gather_shared(request.app.state)
     body = json.dumps(kv_map_body(snapshots, since=since, known=known_ids), separators=(",", ":")).encode()
     headers = {"Cache-Control": "no-store", "Vary": "Accept-Encoding"}
     if len(body) >= GZIP_MIN_BYTES and "gzip" in request.headers.get("accept-encoding", ""):

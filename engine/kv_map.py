@@ -14,7 +14,12 @@ it is more than one): a pool of 32768 blocks is a few hundred bytes when it is c
 than a few KB compressed when churn has fragmented it.
 
 ``KVMonitor`` takes snapshots under the engine's lock (the way ``stats()`` and the router's hash
-report read the pool: never while a step changes it) and keeps a ring of samples taken about once a
+report read the pool: never while a step changes it). The pool keeps its blocks' states as it
+changes (``BlockPool.states``, a byte per block), so the lock is held for a copy of those bytes and
+a walk over the shared leading blocks of the block tables, never for a pass over the pool: the
+encoding, counting and hashing happen after the lock is released. A snapshot is reused for
+``min_interval_s`` (and callers that arrive while one is built wait for it), so any number of
+viewers costs one build per interval. The monitor also keeps a ring of samples taken about once a
 second (KV usage, prefix-cache hit rate over the last ``window_s``, running and waiting requests),
 so a viewer that arrives sees the last minutes. The most shared prefixes come from the requests'
 block tables: sharing always starts at a table's first block (a hit or a fork shares a prefix), so
@@ -40,6 +45,7 @@ logger = logging.getLogger(__name__)
 FREE, CACHED, USED, SHARED = "f", "c", "u", "s"
 STATES = {FREE: "free", CACHED: "cached", USED: "used", SHARED: "shared"}  # code -> name in "counts"
 SAMPLE_PERIOD_S = 1.0
+SNAPSHOT_INTERVAL_S = 1.0  # a pool snapshot is reused for this long (the page polls every 1.5 s)
 HISTORY_SAMPLES = 300  # five minutes at one sample a second
 HIT_RATE_WINDOW_S = 10.0
 MAX_SHARED_PREFIXES = 10
@@ -82,7 +88,7 @@ def rle_decode(encoded: str) -> str:
 def shared_chains(tables: Iterable[list]) -> list[list[tuple[int, bytes | None]]]:
     """(block id, hash) of the leading blocks of each table that more than one request holds."""
     chains = []
-    for table in tables:
+    for table in [t for t in tables if t and t[0].ref_cnt > 1]:  # sharing starts at the first block
         n = 0
         for block in table:
             if block.ref_cnt < 2:
@@ -198,11 +204,12 @@ class KVMonitor:
 
     ``scheduler``: the engine's Scheduler; ``lock``: the lock the engine holds while a step changes
     the scheduler (``EngineCore.lock``). ``start()`` samples the history every ``period_s`` on a
-    daemon thread until ``stop()``; ``sample()`` takes one sample now."""
+    daemon thread until ``stop()``; ``sample()`` takes one sample now. ``min_interval_s``: how long a
+    pool snapshot is reused."""
 
     def __init__(self, scheduler, lock=None, *, period_s: float = SAMPLE_PERIOD_S,
                  capacity: int = HISTORY_SAMPLES, window_s: float = HIT_RATE_WINDOW_S,
-                 clock=time.time) -> None:
+                 clock=time.time, min_interval_s: float = SNAPSHOT_INTERVAL_S) -> None:
         self.scheduler = scheduler
         self.lock = lock if lock is not None else nullcontext()
         self.period_s = period_s
@@ -211,6 +218,11 @@ class KVMonitor:
         self._history_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.min_interval_s = min_interval_s
+        self.num_builds = 0  # pool snapshots built (the others were reused)
+        self._build_lock = threading.Lock()
+        self._pool: dict | None = None
+        self._pool_built_at = 0.0  # time.monotonic() when the reused snapshot was built
 
     # --- sampling --------------------------------------------------------------------------------
 
@@ -249,9 +261,15 @@ class KVMonitor:
     # --- snapshots -------------------------------------------------------------------------------
 
     def snapshot(self, since: float | None = None) -> dict:
-        """The pool now and the history samples taken after ``since`` (all of them without). Holds
-        the engine's lock for one pass over the blocks (about 3 ms for 32768 blocks)."""
-        pool = self._pool_snapshot()
+        """The pool (as of at most ``min_interval_s`` ago) and the history samples taken after
+        ``since`` (all of them without). A build holds the engine's lock for a copy of the pool's
+        state bytes (a byte per block) and the walk over the shared leading blocks of the tables."""
+        with self._build_lock:  # callers arriving during a build wait for it, then share it
+            if self._pool is None or time.monotonic() - self._pool_built_at >= self.min_interval_s:
+                self._pool = self._pool_snapshot()
+                self._pool_built_at = time.monotonic()
+                self.num_builds += 1
+            pool = self._pool
         with self._history_lock:
             history = self.history.columns(since)
         return {**pool, "history": {"period_s": self.period_s, "window_s": self.history.window_s, **history}}
@@ -262,15 +280,16 @@ class KVMonitor:
         pool = kv.block_pool
         with self.lock:  # a consistent picture: no step changes the pool meanwhile
             t = self.clock()
-            states = block_states(pool.blocks[1:]) + "f" * pool.num_fresh_blocks  # fresh: free, no object
+            state_bytes = pool.state_bytes()  # a copy: no pass over the blocks
             chains = shared_chains(kv.req_to_blocks.values())
             stats = sched.stats
             running, waiting = len(sched.running), len(sched.waiting)
             queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
             usage = pool.usage
             tier = host_tier_usage(host_tier_of(sched))
+        states = state_bytes.decode("ascii")
         grid = rle_encode(states)
-        counts = {name: states.count(code) for code, name in STATES.items()}
+        counts = {name: state_bytes.count(code.encode()) for code, name in STATES.items()}
         return {
             "time": round(t, 3),
             "block_size": kv.block_size,

@@ -24,7 +24,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def monitor(llm):
-    monitor = KVMonitor(llm.core.scheduler, llm.core.lock, period_s=0.5).start()
+    # every poll built afresh: these tests compare each snapshot with the engine's state at that moment
+    monitor = KVMonitor(llm.core.scheduler, llm.core.lock, period_s=0.5, min_interval_s=0).start()
     yield monitor
     monitor.stop()
 
