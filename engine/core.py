@@ -14,13 +14,14 @@ import time
 from collections import deque
 
 from engine.config import EngineConfig
-from engine.executor import Executor, StepFailedError, WorkerFailedError, create_executor
+from engine.executor import Executor, WorkerFailedError, create_executor
 from engine.messages import RequestOutput
 from engine.metrics import StepTimings
 from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_failures import EngineDeadError, RequestFailedError, StepFailures  # noqa: F401 - re-exported
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
 
@@ -29,19 +30,11 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int]
 
 
-class EngineDeadError(RuntimeError):
-    """The engine cannot run steps any more (its workers are gone); requests in flight fail with it."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine could not run this request (a step that held it alone raised); others go on."""
-
-
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is at its bound; the request was not admitted (HTTP 503)."""
 
 
-class EngineCore:
+class EngineCore(StepFailures):
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model.path)
@@ -259,7 +252,10 @@ class EngineCore:
         start = time.perf_counter()
         with self.lock:
             only = self._next_suspect()
-            scheduler_output = self.scheduler.schedule(only=only)
+            try:
+                scheduler_output = self.scheduler.schedule(only=only)
+            except Exception as exc:  # noqa: BLE001 - the plan was undone (an interruption too, which goes on)
+                return self._plan_failed(only, exc)
             if scheduler_output.is_empty:
                 if only is not None:
                     self._suspects.popleft()  # it cannot run now: nothing held it alone, so it is cleared
@@ -283,116 +279,42 @@ class EngineCore:
         execute_wall = time.perf_counter() - execute_start
         self._failed_in_a_row = 0
         self._failed_in_a_row_samples.clear()
+        request_outputs: list[RequestOutput] = []
         with self.lock:
             if only is not None:
                 self._suspects.popleft()  # it ran alone without failing
-            core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-            request_outputs, stopped = self.outputs.process(core_outputs)
-            if stopped:
-                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-            for sample_id in self.scheduler.take_grammar_failures():
-                request_id = self.outputs.request_id_of(sample_id)
-                if request_id is None:
-                    self.scheduler.finish_requests([sample_id], RequestStatus.FINISHED_ERROR)
-                    continue
-                output = self._fail_request(request_id, "its grammar rejected a sampled token")
-                if output is not None:
-                    request_outputs.append(output)
-            for request_id, kind in self.outputs.take_failed().items():
-                output = self._fail_request(request_id, kind)
-                if output is not None:
-                    request_outputs.append(output)
+            try:
+                self._take_outputs(scheduler_output, runner_output, request_outputs)
+            except BaseException as exc:
+                self._outputs_failed(scheduler_output, exc, request_outputs)
+                if not isinstance(exc, Exception):
+                    raise
         self.timings.record(time.perf_counter() - start, runner_output.forward_time_s,
                             runner_output.execute_time_s, execute_wall - runner_output.execute_time_s)
         return request_outputs
 
-    def _next_suspect(self) -> str | None:
-        while self._suspects and self._suspects[0] not in self.scheduler.requests:
-            self._suspects.popleft()  # finished or aborted meanwhile
-        return self._suspects[0] if self._suspects else None
-
-    def _ranks_look_broken(self, scheduler_output, exc: Exception) -> bool:
-        """Count a step of one request that raised (a larger step that raises only starts the search
-        for the request at fault). ``max_consecutive_failed_steps`` of them in a row (no step ran
-        between), each with a different request: the ranks fail whatever they run (a sticky device
-        fault, a corrupted rank), so they are rebuilt (``_recover``) instead of failing one request
-        after another forever. A poisonous request fails alone, then the others' steps run, which
-        starts the count again."""
-        if len(scheduler_output.num_scheduled_tokens) != 1:
-            return False
-        self._failed_in_a_row += 1
-        self._failed_in_a_row_samples.update(scheduler_output.num_scheduled_tokens)
-        if (self._failed_in_a_row < self.config.max_consecutive_failed_steps
-                or len(self._failed_in_a_row_samples) < 2):
-            return False
-        self.num_failed_steps += 1
-        logger.error("%d engine steps failed in a row with %d different requests (the last: %s: %s); the "
-                     "ranks are treated as broken", self._failed_in_a_row, len(self._failed_in_a_row_samples),
-                     type(exc).__name__, exc)
-        self._suspects.clear()  # all are recomputed on the rebuilt ranks
-        return True
-
-    def _isolate(self, scheduler_output, exc: Exception) -> list[RequestOutput]:
-        """A step raised: a step of one request fails that request; a larger one puts its requests
-        under suspicion, to run one per step next (each at most once per failure)."""
-        self.num_failed_steps += 1
-        sample_ids = list(scheduler_output.num_scheduled_tokens)
-        if len(sample_ids) > 1:
-            logger.warning("an engine step of %d requests failed (%s: %s); running them one at a time",
-                           len(sample_ids), type(exc).__name__, exc)
-            known = set(self._suspects)
-            self._suspects.extendleft(reversed([s for s in sample_ids if s not in known]))
-            return []
-        if self._suspects and self._suspects[0] == sample_ids[0]:
-            self._suspects.popleft()
-        request_id = self.outputs.request_id_of(sample_ids[0])
-        logger.warning("request %r failed the engine step that held it alone (%s: %s)",
-                       request_id, type(exc).__name__, exc)
-        if request_id is None:
-            self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ERROR)
-            return []
-        kind = exc.kind if isinstance(exc, StepFailedError) else type(exc).__name__
-        output = self._fail_request(request_id, kind)
-        return [output] if output is not None else []
-
-    def _fail_request(self, request_id: str, kind: str) -> RequestOutput | None:
-        """End a request the engine could not run: its blocks freed, its final output carrying the
-        error (one sentence naming the exception's type, nothing of its text)."""
-        self.num_failed_requests += 1
-        self.scheduler.finish_requests(self.outputs.sample_ids_of(request_id), RequestStatus.FINISHED_ERROR)
-        return self.outputs.fail(request_id, f"the engine failed while running this request ({kind})")
-
-    def _recover(self, failure: WorkerFailedError) -> None:
-        """Rebuild the ranks and recompute every running request; the step that failed is lost
-        whole (its tokens were never appended). At most ``max_worker_restarts`` rebuilds within
-        ``worker_restart_window_s`` (a failure that comes back after every rebuild must not loop
-        forever), each after the first waiting a doubling backoff; beyond that, or if the ranks
-        cannot be rebuilt, the engine is dead: this and every later step raise EngineDeadError."""
-        cfg = self.config
-        now = time.monotonic()
-        while self._restart_times and now - self._restart_times[0] > cfg.worker_restart_window_s:
-            self._restart_times.popleft()
-        recent = len(self._restart_times)
-        if recent >= cfg.max_worker_restarts:
-            self._dead = EngineDeadError(
-                f"the workers failed again after {recent} restarts within "
-                f"{cfg.worker_restart_window_s:g} s; the engine gives up on them")
-            logger.error("engine step failed (%s): %s", failure, self._dead)
-            raise self._dead
-        logger.warning("engine step failed (%s); restarting the workers", failure)
-        self._failed_in_a_row = 0
-        self._failed_in_a_row_samples.clear()
-        if recent:
-            time.sleep(cfg.worker_restart_backoff_s * 2 ** (recent - 1))
-        self._restart_times.append(time.monotonic())
-        self.num_worker_restarts += 1
-        try:
-            self.executor.restart()
-        except Exception as exc:
-            self._dead = EngineDeadError(f"the workers failed and could not be restarted: {exc}")
-            raise self._dead from exc
-        with self.lock:
-            self.scheduler.recompute_all()
+    def _take_outputs(self, scheduler_output, runner_output, request_outputs: list[RequestOutput]) -> None:
+        """The step ran: append its tokens, make the outputs (into ``request_outputs``), end the
+        requests that stopped or failed alone (a rejected token, an update or an output that raised)."""
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        made, stopped = self.outputs.process(core_outputs)
+        request_outputs.extend(made)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        failures = [(s, "its grammar rejected a sampled token") for s in self.scheduler.take_grammar_failures()]
+        failures += self.scheduler.take_update_failures()
+        for sample_id, kind in failures:
+            request_id = self.outputs.request_id_of(sample_id)
+            if request_id is None:
+                self.scheduler.finish_requests([sample_id], RequestStatus.FINISHED_ERROR)
+                continue
+            output = self._fail_request(request_id, kind)
+            if output is not None:
+                request_outputs.append(output)
+        for request_id, kind in self.outputs.take_failed().items():
+            output = self._fail_request(request_id, kind)
+            if output is not None:
+                request_outputs.append(output)
 
     # --- introspection ------------------------------------------------------------------------------
 

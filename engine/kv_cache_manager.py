@@ -42,6 +42,9 @@ class KVCacheManager:
         self._pending_copies: list[TierCopy] = []
         self._sent_copies: list[TierCopy] = []
         self._restoring: set[int] = set()  # pool blocks a pending restore will fill
+        # the plan being made, while ``Scheduler.schedule`` runs (engine.plan_undo.PlanUndo): it
+        # records the cached blocks the pool hands out, so that a plan that raises gives their hash back
+        self.plan = None
         if self.host_tier is not None:
             self.block_pool.on_evict = self._offload
             # a hash only the tier holds stays in the routing report until the tier drops it
@@ -106,6 +109,20 @@ class KVCacheManager:
         finally:
             pool.free_blocks(reversed(hits))
         return hits
+
+    def begin_plan(self, plan) -> None:
+        """A step is being planned: ``plan`` (a PlanUndo) hears of every cached block handed out."""
+        self.plan = plan
+        self.block_pool.on_evict = self._on_evict
+
+    def end_plan(self) -> None:
+        self.plan = None
+        self.block_pool.on_evict = self._offload if self.host_tier is not None else None
+
+    def _on_evict(self, block: KVCacheBlock) -> None:
+        self.plan.evicted(block)
+        if self.host_tier is not None:
+            self._offload(block)
 
     def _offload(self, block: KVCacheBlock) -> None:
         """The pool is about to evict ``block`` (cached, so full and computed): copy it out unless the

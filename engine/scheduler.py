@@ -11,6 +11,7 @@ tokens counts as present once the step is planned.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -23,7 +24,10 @@ from engine.messages import (
     SchedulerOutput,
 )
 from engine.metrics import SchedulerStats
+from engine.plan_undo import PlanUndo, undo_sent_step
 from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -52,11 +56,14 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._dropped_ids: set[str] = set()  # finished or preempted since the last step
         self._step_started: list[Request] = []  # requests the step being planned took from the queue
+        self._plan: PlanUndo | None = None  # while a step is planned: how to undo it
+        self.failed_plan_requests: list[str] = []  # the requests the last plan that raised had reached
         # constrained decoding (engine.structured_output.StructuredOutputManager): unfinished
         # constrained requests, counted so that a step without any pays nothing
         self.structured_outputs = structured_outputs
         self.num_constrained = 0
         self.grammar_failures: list[str] = []  # samples whose grammar rejected a sampled token
+        self.update_failures: list[tuple[str, str]] = []  # samples whose update raised, with its name
 
     # --- requests in and out -------------------------------------------------------------------
 
@@ -93,8 +100,23 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------------
 
     def schedule(self, only: str | None = None) -> SchedulerOutput:
-        """Plan one step. ``only``: plan that request alone (nothing else runs in the step)."""
+        """Plan one step. ``only``: plan that request alone (nothing else runs in the step). A plan
+        that raises midway (or is interrupted) is undone whole (``engine.plan_undo``) before the
+        exception goes on; ``failed_plan_requests`` then names the requests it had reached."""
         self.kv.begin_step()
+        plan = self._plan = PlanUndo(self)
+        self.kv.begin_plan(plan)
+        try:
+            return self._schedule(only)
+        except BaseException:
+            plan.apply()
+            self.failed_plan_requests = plan.touched_ids
+            raise
+        finally:
+            self.kv.end_plan()
+            self._plan = None
+
+    def _schedule(self, only: str | None) -> SchedulerOutput:
         self._step_started = []
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -113,6 +135,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            self._plan.touch(request)
             if not self._allocate_or_preempt(request, num_new):
                 break  # it preempted itself: nothing newer is left running
             (cached_reqs if request.num_tokens_sent else new_reqs).append(request)
@@ -136,14 +159,14 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self._dropped_ids,
         )
-        if num_scheduled:  # an empty step is not sent: keep the ids (and the tier copies) for the next one
-            self._dropped_ids = set()
-            output.kv_offloads, output.kv_restores = self.kv.take_tier_copies()
         for request_id, n in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += n
         if self.num_constrained:
             self._fill_grammar_bitmask(output)
         self._track_kv_peak()
+        if num_scheduled:  # an empty step is not sent: keep the ids (and the tier copies) for the next one
+            self._dropped_ids = set()
+            output.kv_offloads, output.kv_restores = self.kv.take_tier_copies()
         return output
 
     # --- KV occupancy ---------------------------------------------------------------------------------
@@ -181,6 +204,7 @@ class Scheduler:
             request = self.waiting[0]
             if only is not None and request.request_id != only:
                 break
+            self._plan.touch(request)
             source = request.fork_source
             if source is not None and source.is_finished:
                 source = request.fork_source = None
@@ -240,6 +264,8 @@ class Scheduler:
         return data
 
     def _preempt(self, request: Request, counted: bool = True) -> None:
+        if self._plan is not None:
+            self._plan.touch(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -260,29 +286,8 @@ class Scheduler:
 
     def rollback(self, scheduler_output: SchedulerOutput) -> None:
         """The step planned as ``scheduler_output`` did not run (it raised, or was interrupted): undo
-        it. Blocks it entered into the prefix cache leave it (their KV was never written); requests
-        it started go back to the head of the queue, the others back to the tokens they had computed;
-        every request of the step is sent to the ranks in full next time, whatever state the failure
-        left there. Nothing was appended, so the requests produce the tokens they would have."""
-        self.kv.rollback_step()
-        for request_id, n in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is not None:
-                request.num_computed_tokens -= n
-        started = [r for r in self._step_started if r.status == RequestStatus.RUNNING]
-        if started:
-            ids = {r.request_id for r in started}
-            self.running = [r for r in self.running if r.request_id not in ids]
-            for request in reversed(started):
-                self._preempt(request, counted=False)
-        self._step_started = []
-        for request_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(request_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                self.kv.uncompute(request)
-                request.num_tokens_sent = request.num_blocks_sent = 0
-                self._dropped_ids.add(request_id)
-        self._dropped_ids |= scheduler_output.finished_req_ids
+        it (``engine.plan_undo.undo_sent_step``)."""
+        undo_sent_step(self, scheduler_output)
 
     # --- after the step ---------------------------------------------------------------------------
 
@@ -303,30 +308,47 @@ class Scheduler:
             request = self.requests.get(request_id)
             if not sampled or request is None or request.status != RequestStatus.RUNNING:
                 continue
-            if request.grammar is not None and not self.structured_outputs.accept(request, sampled):
-                self.grammar_failures.append(request_id)  # the engine fails it alone
+            try:
+                output = self._update_one(request, sampled, logprobs)
+            except Exception as exc:  # this request fails alone (the engine ends it), not the step
+                logger.exception("appending the tokens of %r failed", request_id)
+                self.update_failures.append((request_id, type(exc).__name__))
+                any_finished = True  # it may have finished midway
                 continue
-            request.append_output_token_ids(sampled)
-            self.stats.num_generation_tokens += len(sampled)
-            if request.grammar is not None and self.structured_outputs.is_terminated(request):
-                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-            else:
-                status = self._check_stop(request)
-            if status is not None:
-                self._finish(request, status)
-                any_finished = True
-            outputs.append(EngineCoreOutput(
-                req_id=request_id,
-                new_token_ids=sampled,
-                new_logprobs=logprobs,
-                finish_reason=status.finish_reason if status is not None else None,
-                stop_reason=request.stop_reason,
-                num_cached_tokens=request.num_cached_tokens,
-                prompt_logprobs=self._take_prompt_logprobs(request),
-            ))
+            if output is not None:
+                any_finished = any_finished or output.finish_reason is not None
+                outputs.append(output)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _update_one(self, request: Request, sampled: list[int], logprobs) -> EngineCoreOutput | None:
+        if request.grammar is not None and not self.structured_outputs.accept(request, sampled):
+            self.grammar_failures.append(request.request_id)  # the engine fails it alone
+            return None
+        request.append_output_token_ids(sampled)
+        self.stats.num_generation_tokens += len(sampled)
+        if request.grammar is not None and self.structured_outputs.is_terminated(request):
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        else:
+            status = self._check_stop(request)
+        if status is not None:
+            self._finish(request, status)
+        return EngineCoreOutput(
+            req_id=request.request_id,
+            new_token_ids=sampled,
+            new_logprobs=logprobs,
+            finish_reason=status.finish_reason if status is not None else None,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=self._take_prompt_logprobs(request),
+        )
+
+    def take_update_failures(self) -> list[tuple[str, str]]:
+        """Samples whose tokens could not be appended since the last call, with the exception's
+        name (the caller fails their requests)."""
+        failures, self.update_failures = self.update_failures, []
+        return failures
 
     @staticmethod
     def _take_prompt_logprobs(request: Request):
