@@ -169,3 +169,38 @@ def test_a_fresh_pool_of_two_million_blocks_keeps_its_summaries_lazily():
     blocks = pool.get_new_blocks(3)
     pool.free_blocks(reversed(blocks[1:]))
     assert pool.state_bytes()[:4] == b"ufff" and len(pool.state_bytes()) == 1_999_999
+
+
+def test_the_engine_reports_changes_after_its_first_report(model_dirs):
+    """AsyncLLM.routing_report (what the scheduler actor answers the router): the whole set once,
+    then the changes, merged into the same set the whole report names."""
+    from engine.async_engine import AsyncLLM
+    from engine.sampling_params import SamplingParams
+    from tests.engine.test_engine_failures import FakeExecutor, make_core
+
+    core = make_core(model_dirs, FakeExecutor())
+    llm = AsyncLLM(core.config, core=core)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def run(tag: str, offset: int) -> None:
+        for i in range(3):
+            core.add_request(f"{tag}{i}", [1 + (i * 5 + j + offset) % 30 for j in range(10 + 4 * i)], params)
+        while core.has_unfinished_requests():
+            core.step()
+
+    def reported(payload: dict) -> set[bytes]:
+        def keys(raw: bytes) -> set[bytes]:
+            return {raw[i:i + 8] for i in range(0, len(raw), 8)}
+        return (keys(payload["prefix_hashes"]) - keys(payload["prefix_removed"])) | keys(payload["prefix_added"])
+
+    run("a", 0)
+    first = llm.routing_report()
+    whole = core.cached_prefix_hashes()
+    assert first["prefix_added"] == first["prefix_removed"] == b"" and reported(first) == {
+        whole[i:i + 8] for i in range(0, len(whole), 8)} != set()
+    run("b", 7)  # other prompts: new hashes
+    second = llm.routing_report()
+    whole = core.cached_prefix_hashes()
+    assert second["prefix_hashes"] == first["prefix_hashes"] and second["prefix_added"] != b""
+    assert reported(second) == {whole[i:i + 8] for i in range(0, len(whole), 8)}
+    assert llm._prefix_report.num_full_reads == 1
