@@ -36,11 +36,12 @@ def plan_prompt_rows(req_ids: list[str], query_lens: list[int], requests: dict) 
     flat = 0
     for req_id, n in zip(req_ids, query_lens):
         state = requests[req_id]
-        k = state.params.prompt_logprobs
-        start = state.num_computed_tokens
-        end = min(start + n, state.num_prompt_tokens - 1)
-        if k is not None and end > start:
-            plans.append(PromptRows(req_id, start, flat, state.token_ids[start + 1:end + 1], k))
+        if state.params.prompt_logprobs is not None:
+            start = state.num_computed_tokens
+            end = min(start + n, state.num_prompt_tokens - 1)
+            if end > start:
+                plans.append(PromptRows(req_id, start, flat, state.token_ids[start + 1:end + 1],
+                                        state.params.prompt_logprobs))
         flat += n
     return plans
 
