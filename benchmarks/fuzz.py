@@ -5,8 +5,9 @@
 Each malformed request is a valid completion or chat body with one thing broken: a numeric field out
 of range or of the wrong type (huge and negative integers, fractions, NaN and infinities, strings,
 lists), a text with a lone surrogate, an empty or oversized list, an unknown role, a missing field,
-a body that is not a JSON object, work over the engine's caps (``max_n``, ``max_stop_sequences`` at
-their defaults), or a feature the engine refuses. Meanwhile good greedy completions
+a body that is not a JSON object, work over the caps (``max_n``, ``max_stop_sequences``,
+``max_stop_string_length``, ``max_logprobs``, ``max_prompts_per_request`` at their defaults), or a
+feature the engine refuses (``priority``, ``prompt_logprobs`` with ``stream``). Meanwhile good greedy completions
 run one after another, each of which must return the text the first one returned. The figures:
 
 - ``tried``: malformed requests sent;
@@ -125,6 +126,14 @@ def _completion_mutations(rng: random.Random) -> list[tuple[str, Callable[[dict]
         ("n over the engine's max_n (128 by default)", set_("n", rng.randint(129, 20000))),
         ("stop strings over the engine's max_stop_sequences (64 by default)",
          set_("stop", [f"s{i}" for i in range(rng.randint(65, 1000))])),
+        ("a stop string over the engine's max_stop_string_length (1024 by default)",
+         set_("stop", ["s" * rng.randint(1025, 100_000)])),
+        ("prompts over max_prompts_per_request (256 by default)", set_("prompt", [[5]] * rng.randint(257, 5000))),
+        ("prompt_logprobs over max_logprobs, or with stream", rng.choice([
+            set_("prompt_logprobs", rng.randint(21, 10**6)), lambda body: body.update(prompt_logprobs=1, stream=True)])),
+        ("priority other than 0", set_("priority", rng.choice([1, -1, 10**6]))),
+        ("truncate_prompt_tokens 0, below -1 or over the context", set_("truncate_prompt_tokens",
+                                                                        rng.choice([0, -2, 10**6]))),
         ("logit_bias given", set_("logit_bias", rng.choice([{"5": 1.0}, {"5": NAN}, {"x": "y"}, [1]]))),
         ("suffix given", set_("suffix", "!")),
         ("best_of other than n", set_("best_of", rng.choice([2, 3, 0, -1, 2**64]))),
