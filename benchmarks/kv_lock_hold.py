@@ -19,6 +19,7 @@ import json
 import statistics
 import threading
 import time
+from typing import Self
 
 from engine.scheduler import Scheduler
 
@@ -40,7 +41,7 @@ class TimedLock:
         self.holds: list[float] = []
         self.cpu_holds: list[float] = []
 
-    def __enter__(self) -> TimedLock:
+    def __enter__(self) -> Self:
         self._lock.acquire()
         self._depth += 1
         if self._depth == 1:

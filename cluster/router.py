@@ -72,7 +72,7 @@ def parse_hashes(raw: bytes) -> set[int]:
 class ReportedHashes:
     """A replica's reported hashes: ``(base - removed) | added``, without building that set."""
 
-    __slots__ = ("base", "added", "removed")
+    __slots__ = ("added", "base", "removed")
 
     def __init__(self, base: set[int] | None = None, added: set[int] | None = None,
                  removed: set[int] | None = None) -> None:

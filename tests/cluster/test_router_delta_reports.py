@@ -9,7 +9,12 @@ import random
 
 import pytest
 
-from cluster.router import ReplicaPrefixState, choose_by_prefix, parse_hashes, prompt_block_hashes
+from cluster.router import (
+    ReplicaPrefixState,
+    choose_by_prefix,
+    parse_hashes,
+    prompt_block_hashes,
+)
 from engine.prefix_report import PrefixReport
 from tests.engine.test_prefix_report_incremental import BS, Replica, prompt
 
