@@ -101,8 +101,8 @@ class BodySizeLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._refuse(scope, send, int(length) if length.isdigit() else None)
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(scope, send, int(length))
         chunks, size, more, pending = [], 0, True, None
         while more:
             message = await receive()
