@@ -77,6 +77,7 @@ class StepFailures:
             return [output] if output is not None else []
         sched = self.scheduler
         reached = sched.failed_plan_requests or [r.request_id for r in (*sched.running, *sched.waiting)]
+        sched.failed_plan_requests = []
         logger.warning("planning a step failed (%s: %s); planning its %d requests one at a time",
                        type(exc).__name__, exc, len(reached), exc_info=exc)
         known = set(self._suspects)
