@@ -148,8 +148,9 @@ class SchedulerActor:
 
     async def kv_map(self) -> dict:
         """The KV-cache map of this engine (engine/kv_map.py): block states, counts, history, the most
-        shared prefixes. Built on a thread: the walk over the pool (milliseconds for a large one, and
-        a wait for the engine's lock) does not hold up the streams this actor's event loop serves."""
+        shared prefixes. Built on a thread (reused for a second: KVMonitor.min_interval_s): its
+        encoding (tens of milliseconds for millions of blocks, outside the engine's lock) and a wait
+        for the lock do not hold up the streams this actor's event loop serves."""
         return await asyncio.get_running_loop().run_in_executor(None, self.kv_monitor.snapshot)
 
     def routing_stats(self) -> dict:
