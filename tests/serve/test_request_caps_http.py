@@ -105,15 +105,15 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http, run, model_dir):  # 
 
 
 def test_prompt_logprobs_in_vllm_shape(http, run, offline):  # noqa: F811
-    prompt = [5, 17, 300, 41, 9]
-    body = complete(http, run, prompt=[prompt, prompt], n=2, prompt_logprobs=2).json()
-    expected = offline.generate({"prompt_token_ids": prompt}, SamplingParams(
-        temperature=0.0, max_tokens=2, prompt_logprobs=2))[0].prompt_logprobs
+    prompts = [[5, 17, 300, 41, 9], [8, 8, 120]]
+    body = complete(http, run, prompt=prompts, n=2, prompt_logprobs=2).json()
+    expected = [out.prompt_logprobs for out in offline.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))]
     assert len(body["choices"]) == 4
-    for choice in body["choices"]:
-        entries = choice["prompt_logprobs"]
-        assert len(entries) == 5 and entries[0] is None
-        for entry, reference in zip(entries[1:], expected[1:]):
+    for choice in body["choices"]:  # choice i of prompt p has index p * n + i
+        entries, prompt = choice["prompt_logprobs"], prompts[choice["index"] // 2]
+        assert len(entries) == len(prompt) and entries[0] is None
+        for entry, reference in zip(entries[1:], expected[choice["index"] // 2][1:]):
             assert {int(t) for t in entry} == set(reference)
             for token_id, value in entry.items():
                 assert set(value) == {"logprob", "rank", "decoded_token"}
