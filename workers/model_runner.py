@@ -181,13 +181,14 @@ class ModelRunner:
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sample_rows else None
+        if events is not None:
+            events[1].record()
+        forward_time = time.perf_counter() - forward_start
+        # prompt logprobs (every rank: the LM head gathers across them); reading them synchronises
         prompt_rows = plan_prompt_rows(batch.req_ids, batch.attn_meta.query_lens, self.batch.requests)
         prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden, prompt_rows, self.tp.is_first_rank,
             min(ROWS_PER_SLICE, self.config.scheduler.max_num_seqs)) if prompt_rows else {}
-        if events is not None:
-            events[1].record()
-        forward_time = time.perf_counter() - forward_start
         if not self.tp.is_first_rank:
             return None
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
