@@ -211,9 +211,11 @@ class Scheduler:
             if source is not None and source.num_computed_tokens < source.num_prompt_tokens:
                 blocked.append(self.waiting.popleft())
                 continue
+            # a request still computing prompt logprobs looks nothing up: a hit would skip their logits
+            no_lookup = source is None and request.needs_prompt_logprobs
             if source is not None:
                 computed, num_cached = self.kv.get_forkable_blocks(request, source)
-            elif request.needs_prompt_logprobs:  # a hit would skip the logits of the prompt it needs
+            elif no_lookup:
                 computed, num_cached = [], 0
             else:
                 computed, num_cached = self.kv.get_computed_blocks(request)
@@ -226,7 +228,7 @@ class Scheduler:
                 request.first_scheduled_time = now
                 self.stats.queue_time.observe(now - request.arrival_time)
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
-                if source is None and self.kv.enable_caching:
+                if source is None and self.kv.enable_caching and not no_lookup:
                     self.stats.prefix_cache_queries += request.num_tokens
                     self.stats.prefix_cache_hits += num_cached
             request.fork_source = None

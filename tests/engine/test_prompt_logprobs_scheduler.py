@@ -40,10 +40,12 @@ def test_gathered_across_chunks_and_a_preemption_each_position_once():
     sched.add_request(request("plain", None))  # computes the prompt's blocks into the prefix cache
     while sched.has_unfinished_requests():
         sched.update_from_output(so := sched.schedule(), runner.execute_model(so))
+    assert (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits) == (30, 0)
     lp = request("lp", 0)
     sched.add_request(lp)
     so = sched.schedule()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 0  # no hit: its logits are needed
+    assert (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits) == (30, 0)  # nor a lookup
     sched.update_from_output(so, runner.execute_model(so))
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"lp": 8} and sched.update_from_output(so, runner.execute_model(so)) == []
@@ -72,3 +74,4 @@ def test_a_complete_request_takes_prefix_hits_again_and_k_none_sends_nothing():
     sched.add_request(done)
     so = sched.schedule()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 28  # 7 blocks of the cache
+    assert (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits) == (60, 28)
