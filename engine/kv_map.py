@@ -18,8 +18,10 @@ report read the pool: never while a step changes it). The pool keeps its blocks'
 changes (``BlockPool.states``, a byte per block), so the lock is held for a copy of those bytes and
 a walk over the shared leading blocks of the block tables, never for a pass over the pool: the
 encoding, counting and hashing happen after the lock is released. A snapshot is reused for
-``min_interval_s`` (and callers that arrive while one is built wait for it), so any number of
-viewers costs one build per interval. The monitor also keeps a ring of samples taken about once a
+``min_interval_s``, or for ten times as long as it took to build if that is longer (a fragmented pool
+of millions of blocks takes a third of a second to encode, under the interpreter's lock the step
+loop needs too: its builds then take at most a tenth of a core), and callers that arrive while one
+is built wait for it, so any number of viewers costs one build per interval. The monitor also keeps a ring of samples taken about once a
 second (KV usage, prefix-cache hit rate over the last ``window_s``, running and waiting requests),
 so a viewer that arrives sees the last minutes. The most shared prefixes come from the requests'
 block tables: sharing always starts at a table's first block (a hit or a fork shares a prefix), so
@@ -45,7 +47,8 @@ logger = logging.getLogger(__name__)
 FREE, CACHED, USED, SHARED = "f", "c", "u", "s"
 STATES = {FREE: "free", CACHED: "cached", USED: "used", SHARED: "shared"}  # code -> name in "counts"
 SAMPLE_PERIOD_S = 1.0
-SNAPSHOT_INTERVAL_S = 1.0  # a pool snapshot is reused for this long (the page polls every 1.5 s)
+SNAPSHOT_INTERVAL_S = 1.0  # a pool snapshot is reused for this long (the page polls every 1.5 s) ...
+BUILD_SHARE = 0.1  # ... or longer, so that building snapshots takes at most this share of a core
 HISTORY_SAMPLES = 300  # five minutes at one sample a second
 HIT_RATE_WINDOW_S = 10.0
 MAX_SHARED_PREFIXES = 10
@@ -205,7 +208,7 @@ class KVMonitor:
     ``scheduler``: the engine's Scheduler; ``lock``: the lock the engine holds while a step changes
     the scheduler (``EngineCore.lock``). ``start()`` samples the history every ``period_s`` on a
     daemon thread until ``stop()``; ``sample()`` takes one sample now. ``min_interval_s``: how long a
-    pool snapshot is reused."""
+    pool snapshot is reused at least (0: never reused)."""
 
     def __init__(self, scheduler, lock=None, *, period_s: float = SAMPLE_PERIOD_S,
                  capacity: int = HISTORY_SAMPLES, window_s: float = HIT_RATE_WINDOW_S,
@@ -223,6 +226,7 @@ class KVMonitor:
         self._build_lock = threading.Lock()
         self._pool: dict | None = None
         self._pool_built_at = 0.0  # time.monotonic() when the reused snapshot was built
+        self.build_s = 0.0  # how long the last build took (thread CPU time)
 
     # --- sampling --------------------------------------------------------------------------------
 
@@ -261,18 +265,25 @@ class KVMonitor:
     # --- snapshots -------------------------------------------------------------------------------
 
     def snapshot(self, since: float | None = None) -> dict:
-        """The pool (as of at most ``min_interval_s`` ago) and the history samples taken after
+        """The pool (as of at most ``reuse_s`` ago) and the history samples taken after
         ``since`` (all of them without). A build holds the engine's lock for a copy of the pool's
         state bytes (a byte per block) and the walk over the shared leading blocks of the tables."""
         with self._build_lock:  # callers arriving during a build wait for it, then share it
-            if self._pool is None or time.monotonic() - self._pool_built_at >= self.min_interval_s:
+            if self._pool is None or time.monotonic() - self._pool_built_at >= self.reuse_s:
+                started = time.thread_time()
                 self._pool = self._pool_snapshot()
                 self._pool_built_at = time.monotonic()
+                self.build_s = time.thread_time() - started
                 self.num_builds += 1
             pool = self._pool
         with self._history_lock:
             history = self.history.columns(since)
         return {**pool, "history": {"period_s": self.period_s, "window_s": self.history.window_s, **history}}
+
+    @property
+    def reuse_s(self) -> float:
+        """How long the last snapshot is reused: ``min_interval_s``, longer for a costly build."""
+        return self.min_interval_s and max(self.min_interval_s, self.build_s / BUILD_SHARE)
 
     def _pool_snapshot(self) -> dict:
         sched = self.scheduler

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 
@@ -81,3 +82,27 @@ def test_concurrent_viewers_share_one_build_per_interval(sched):
     monitor.min_interval_s = 0  # the interval is over: the next poll builds again
     monitor.snapshot()
     assert monitor.num_builds == 2 and len(lock.holds) == 2
+
+
+def test_a_costly_build_is_reused_for_longer(sched, monkeypatch):
+    """A build that took 0.05 s of CPU (and more) is reused ten times as long (builds take at most a tenth of a core),
+    not just min_interval_s; with min_interval_s 0 nothing is reused."""
+    monitor = KVMonitor(sched, TimedLock(), min_interval_s=0.1)
+    build = monitor._pool_snapshot
+
+    def costly():
+        started = time.thread_time()
+        while time.thread_time() - started < 0.05:
+            pass
+        return build()
+
+    monkeypatch.setattr(monitor, "_pool_snapshot", costly)
+    monitor.snapshot()
+    assert monitor.build_s >= 0.05 and monitor.reuse_s == monitor.build_s / 0.1
+    time.sleep(0.2)  # past min_interval_s, within ten times the build
+    monitor.snapshot()
+    assert monitor.num_builds == 1
+    monitor.min_interval_s = 0
+    assert monitor.reuse_s == 0
+    monitor.snapshot()
+    assert monitor.num_builds == 2
