@@ -24,8 +24,6 @@ UNAVAILABLE), and /health and /v1/models answer 503, rather than leaving request
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 import json
 import logging
 import os
@@ -35,9 +33,7 @@ from pathlib import Path
 import ray
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.config import RequestRouterConfig
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from api import grpc_serving
@@ -48,11 +44,11 @@ from api.metrics import prometheus_text
 from api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from api.openai_serving import OpenAIServing
 from cluster.app_args import ENGINE_KWARGS, AppArgs, _with_options, api_key_from_env, api_key_from_file
-from cluster.llm_server import (ENGINE_NAMESPACE, ENGINE_STOPPED, HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S,
-                                ROUTING_STATS_PERIOD_S, EngineUnavailableError, LLMServer, _cause)
-from cluster.engine_gate import NO_ENGINE, EngineGate, EngineWatch
+from cluster.engine_gate import EngineGate, EngineWatch
+from cluster.ingress_client import ServeEngineClient, new_engine_id  # noqa: F401 - the Ingress's engine client
+from cluster.llm_server import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S, ROUTING_STATS_PERIOD_S, LLMServer
 from cluster.reservations import cluster_cpus, plan_reservations
-from engine import EngineOverloadedError, SamplingParams, engine_config
+from engine import SamplingParams, engine_config
 from engine.config import ModelConfig
 from engine.messages import RequestOutput, merge_outputs
 from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind
@@ -62,112 +58,6 @@ from workers.model_source import localize_model
 logger = logging.getLogger("ray.serve")
 
 
-def new_engine_id() -> str:
-    """The engine's id of one request: always made here, never a caller's (a caller's id is a label)."""
-    return f"req-{uuid.uuid4().hex}"
-
-
-class ServeEngineClient:
-    """The engine client of the OpenAI and gRPC layers in an Ingress replica.
-
-    A request goes through the LLMServer handle (so Serve routes, counts and autoscales it); the
-    replica answers with the name of its scheduler actor, and the deltas arrive on one multiplexed
-    stream per scheduler actor, subscribed once per Ingress replica: one Ray object per engine step
-    instead of one per token per request.
-
-    The ``request_id`` a caller passes is only its label: every call gets its own engine id
-    (``new_engine_id``), under which its queue is kept and the engine knows it, so two calls with one
-    label (a gRPC client's reused id) neither share outputs nor remove each other's queue.
-    """
-
-    def __init__(self, handle: DeploymentHandle, engines: EngineWatch) -> None:
-        self.handle = handle
-        self.engines = engines
-        self.subscriber = f"ingress-{uuid.uuid4().hex}"
-        self._queues: dict[str, asyncio.Queue] = {}  # by engine id
-        self._engine_of: dict[str, str] = {}  # engine id -> the scheduler actor's name
-        self._subscriptions: dict[str, asyncio.Task] = {}
-        self._actors: dict[str, object] = {}  # scheduler actor name -> handle (looked up by its stream)
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None):
-        if not await self.engines.available():  # else the request would wait for a replica that may never come
-            raise EngineUnavailableError(NO_ENGINE)
-        engine_id = new_engine_id()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[engine_id] = queue
-        call = self.handle.options(stream=True).generate.remote(
-            engine_id, prompt_token_ids, params, cache_salt=cache_salt, subscriber=self.subscriber)
-        finished = False
-        engine_name = None
-        try:
-            try:
-                engine_name = await call.__anext__()
-            except RayTaskError as exc:  # refused by the replica or its engine: nothing to cancel
-                finished = True
-                raise _cause(exc) from None
-            except RayActorError:  # the replica died under the call
-                finished = True
-                self.engines.recheck()
-                raise EngineUnavailableError(ENGINE_STOPPED + "; retry shortly") from None
-            except BackPressureError:  # refused by Serve's router
-                finished = True
-                raise EngineOverloadedError("every replica is at its queue bound; retry later") from None
-            self._engine_of[engine_id] = engine_name
-            self._subscribe(engine_name)
-            while not finished:
-                item = await queue.get()
-                while not isinstance(item, BaseException) and not queue.empty():
-                    nxt = queue.get_nowait()  # the reader fell behind: one merged delta
-                    item = nxt if isinstance(nxt, BaseException) else merge_outputs(item, nxt, RequestOutputKind.DELTA)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._queues.pop(engine_id, None)
-            self._engine_of.pop(engine_id, None)
-            if not finished:  # the caller left: cancelling reaches the replica, which aborts
-                call.cancel()
-                actor = self._actors.get(engine_name)
-                if actor is not None:  # and the engine hears it at once
-                    actor.abort.remote(engine_id)
-
-    def _subscribe(self, engine_name: str) -> None:
-        task = self._subscriptions.get(engine_name)
-        if task is None or task.done():
-            # a fresh context: a subscription started while serving one request must not be a child of
-            # that request's task, or cancelling the request (a client that left) would cancel it too
-            self._subscriptions[engine_name] = asyncio.get_running_loop().create_task(
-                self._pump(engine_name), context=contextvars.Context())
-
-    async def _pump(self, engine_name: str) -> None:
-        """Route the engine's batches to the waiting requests until the engine goes away."""
-        try:
-            engine = await asyncio.get_running_loop().run_in_executor(  # a blocking GCS lookup: off the loop
-                None, functools.partial(ray.get_actor, engine_name, namespace=ENGINE_NAMESPACE))
-            self._actors[engine_name] = engine
-            async for ref in engine.subscribe.remote(self.subscriber):
-                for engine_id, item in await ref:
-                    queue = self._queues.get(engine_id)
-                    if queue is not None:
-                        queue.put_nowait(item)
-        except Exception as exc:  # noqa: BLE001 - every request of that engine fails with it
-            logger.warning("the stream of %s ended: %s", engine_name, type(exc).__name__)
-            self._actors.pop(engine_name, None)
-            self.engines.recheck()
-            error = EngineUnavailableError(ENGINE_STOPPED + " while serving this request; retry shortly")
-            for engine_id, name in list(self._engine_of.items()):
-                if name == engine_name and engine_id in self._queues:
-                    self._queues[engine_id].put_nowait(error)
-
-    async def abort(self, request_id: str) -> None:
-        """Nothing to do: a request ends with its ``generate`` stream, whose closing cancels the
-        replica's call (which aborts it) and tells the engine directly. ``request_id`` is a caller's
-        label, which another request may carry too: it never names an engine entry."""
-
-
 class Ingress:
     """HTTP (OpenAI API), gRPC and Python-handle entry point of the application."""
 
@@ -175,11 +65,12 @@ class Ingress:
                  max_model_len: int, api_key: str | None, stream_interval: int = 1, min_engines: int = 1,
                  api_key_env: str | None = None, api_key_file: str | None = None,
                  tool_call_parser: str = "generic", max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_logprobs: int = MAX_LOGPROBS) -> None:
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_logprobs: int = MAX_LOGPROBS,
+                 llm_server_limits: tuple[int, int] | None = None) -> None:
         self.tokenizer = Tokenizer(localize_model(model).path)  # the checkpoint's copy on this node
         self.app_name = serve.get_replica_context().app_name
         self.engines = EngineWatch(self.app_name, min_engines)
-        self.client = ServeEngineClient(llm_server, self.engines)
+        self.client = ServeEngineClient(llm_server, self.engines, llm_server_limits)
         self.serving = OpenAIServing(self.client, self.tokenizer, served_model_name, max_model_len, stream_interval,
                                      tool_call_parser=tool_call_parser, max_prompts_per_request=max_prompts_per_request,
                                      max_logprobs=max_logprobs)
@@ -191,7 +82,7 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         app = build_openai_app(lambda: self.serving, api_key=self.api_key, metrics_text=self.metrics_text,
                                kv_map=self.kv_map, max_body_bytes=self.max_request_body_bytes)
-        app.add_middleware(EngineGate, available=self.engines.available, api_key=self.api_key)
+        app.add_middleware(EngineGate, available=self.engines.available, api_key=self.api_key, full=self.client.full)
         return app
 
     async def metrics_text(self) -> str:
@@ -376,7 +267,7 @@ def build_app(args: AppArgs | dict | None = None):
     return ingress.bind(llm_server, config.model, served_name, config.max_model_len, args.api_key,
                         args.stream_interval, min_engines, args.api_key_env, args.api_key_file,
                         args.tool_call_parser, args.max_prompts_per_request, args.max_request_body_bytes,
-                        config.max_logprobs)
+                        config.max_logprobs, (options["max_ongoing_requests"], options["max_queued_requests"]))
 
 
 app = build_app

@@ -5,6 +5,7 @@ before a request's body is read)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import math
 import time
@@ -12,6 +13,7 @@ import time
 import ray
 from fastapi.responses import JSONResponse
 
+from api.errors import OVERLOADED_MESSAGE, OpenAIError
 from cluster.llm_server import ENGINE_NAMESPACE, EngineUnavailableError
 
 RETRY_AFTER_S = 2  # the Retry-After of every 503
@@ -34,6 +36,7 @@ class EngineWatch:
     PERIOD_S = 1.0
     DOWN_PERIOD_S = 0.2
     PING_TIMEOUT_S = 1.0
+    PING_TIMEOUT_UP_S = 5.0  # asked in the background while up: a busy engine is slow to answer, not gone
     ACTORS_TTL_S = 1.0
 
     def __init__(self, app_name: str, min_engines: int) -> None:
@@ -42,6 +45,7 @@ class EngineWatch:
         self._num_up = 0
         self._checked_at = -math.inf
         self._lock: asyncio.Lock | None = None
+        self._refreshing: asyncio.Task | None = None
         self._handles: dict[str, object] = {}
         self._listed_at = -math.inf
         self._list_lock: asyncio.Lock | None = None
@@ -61,15 +65,29 @@ class EngineWatch:
         return time.monotonic() - self._checked_at < period
 
     async def num_up(self) -> int:
+        """How many engines answer. While some did at the last asking, that count is answered at once
+        and they are asked again in the background: a lookup and pings take long on a busy cluster
+        (hundreds of ms under a burst), and every request waited for them; an engine busy with a burst
+        is given ``PING_TIMEOUT_UP_S`` to answer there (at 1 s a burst made it look gone: 503
+        engine_unavailable). While none did, or once an engine was seen to stop (``recheck``),
+        callers wait for the fresh answer, with ``PING_TIMEOUT_S``."""
         if self._fresh():
             return self._num_up
+        if self._num_up and self._checked_at > -math.inf:
+            if self._refreshing is None or self._refreshing.done():
+                self._refreshing = asyncio.get_running_loop().create_task(
+                    self._check(self.PING_TIMEOUT_UP_S), context=contextvars.Context())  # not a request's child
+            return self._num_up
+        await self._check(self.PING_TIMEOUT_S)
+        return self._num_up
+
+    async def _check(self, timeout_s: float) -> None:
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:  # one lookup for every request that arrives meanwhile
             if not self._fresh():
                 actors = list((await self.actors(max_age_s=0.0)).values())
-                answers = await asyncio.gather(*(self._ping(a) for a in actors))
+                answers = await asyncio.gather(*(self._ping(a, timeout_s) for a in actors))
                 self._num_up, self._checked_at = sum(answers), time.monotonic()
-        return self._num_up
 
     async def actors(self, max_age_s: float | None = None) -> dict[str, object]:
         """The app's scheduler actors, ``{name: handle}``, looked up on a thread at most every
@@ -96,9 +114,9 @@ class EngineWatch:
                     pass
         return actors
 
-    async def _ping(self, actor) -> bool:
+    async def _ping(self, actor, timeout_s: float) -> bool:
         try:
-            await asyncio.wait_for(actor.ready.remote(), timeout=self.PING_TIMEOUT_S)
+            await asyncio.wait_for(actor.ready.remote(), timeout=timeout_s)
             return True
         except Exception:  # noqa: BLE001 - dead, still starting, or not answering
             return False
@@ -107,24 +125,43 @@ class EngineWatch:
 class EngineGate:
     """ASGI middleware of the Ingress's HTTP app: /health, /v1/models and the generating routes
     answer 503, with an OpenAI error body, while no engine serves (a key still guards all but /health:
-    a bad one gets the app's 401). A refused completion is answered here, before its body is read and
-    parsed: while a replica is replaced, clients retrying would otherwise spend the CPU the new
-    replica needs to start. Every 503 the app sends (queue full, no engine, an engine restarting)
-    carries Retry-After."""
+    a bad one gets the app's 401), and the generating routes 503 ``engine_overloaded`` while the
+    engines are full (``full(inside)``: Serve's router would refuse the request, counting the
+    generating requests let through and not yet answered). A refused completion is
+    answered here, before its body is read and parsed: while a replica is replaced, clients retrying
+    would otherwise spend the CPU the new replica needs to start, and under a burst each refusal waited
+    for the parsing and tokenizing of every request before it. Every 503 the app sends (queue full,
+    no engine, an engine restarting) carries Retry-After, and every response ``Server-Timing:
+    ingress;dur=<ms>``: the time from its arrival here until its answer began."""
 
     GATED = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
+    GENERATING = ("/v1/completions", "/v1/chat/completions")
 
-    def __init__(self, app, available, api_key: str | None) -> None:
-        self.app, self.available, self.api_key = app, available, api_key
+    def __init__(self, app, available, api_key: str | None, full=None) -> None:
+        self.app, self.available, self.api_key, self.full = app, available, api_key, full
+        self.inside = 0  # generating requests let through and not yet answered in full
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if scope["path"] in self.GATED and self._authorized(scope) and not await self.available():
-            body = EngineUnavailableError(NO_ENGINE).body()
-            response = JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-            await response(scope, receive, send)
+        arrived = time.monotonic()
+
+        async def send_timed(message) -> None:  # Server-Timing: the Ingress's time until the answer began
+            if message["type"] == "http.response.start":
+                timing = f"ingress;dur={1000 * (time.monotonic() - arrived):.1f}".encode()
+                message = {**message, "headers": [*message.get("headers", []), (b"server-timing", timing)]}
+            await send(message)
+
+        refusal = None
+        if scope["path"] in self.GATED and self._authorized(scope):
+            if not await self.available():
+                refusal = EngineUnavailableError(NO_ENGINE)
+            elif scope["path"] in self.GENERATING and self.full is not None and await self.full(self.inside):
+                refusal = OpenAIError(503, OVERLOADED_MESSAGE, "server_error", code="engine_overloaded")
+        if refusal is not None:
+            response = JSONResponse(refusal.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+            await response(scope, receive, send_timed)
             return
 
         async def send_with_retry_after(message) -> None:
@@ -133,9 +170,14 @@ class EngineGate:
                 if not any(name.lower() == b"retry-after" for name, _ in headers):
                     headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
                 message = {**message, "headers": headers}
-            await send(message)
+            await send_timed(message)
 
-        await self.app(scope, receive, send_with_retry_after)
+        generating = scope["path"] in self.GENERATING
+        self.inside += generating  # each will call the engines once at least: a burst counts at once,
+        try:  # not only once its requests were parsed and tokenized
+            await self.app(scope, receive, send_with_retry_after)
+        finally:
+            self.inside -= generating
 
     def _authorized(self, scope) -> bool:
         if self.api_key is None or scope["path"] == "/health":

@@ -5,11 +5,14 @@ gate are stand-ins."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
 
+from api.errors import OVERLOADED_MESSAGE
 from cluster.engine_gate import NO_ENGINE, RETRY_AFTER_S, EngineGate, EngineWatch
+from engine import EngineOverloadedError, SamplingParams
 
 
 class CountingWatch(EngineWatch):
@@ -23,7 +26,7 @@ class CountingWatch(EngineWatch):
         self.lookups += 1
         return {f"engine:app:{i}": object() for i in range(self.up)}
 
-    async def _ping(self, actor) -> bool:
+    async def _ping(self, actor, timeout_s: float) -> bool:
         return True
 
 
@@ -43,12 +46,38 @@ def test_the_watch_asks_again_sooner_while_no_engine_answers():
         age(watch, EngineWatch.DOWN_PERIOD_S * 3)  # with an engine up, the long period holds
         assert await watch.num_up() == 1 and watch.lookups == 2
         age(watch, EngineWatch.PERIOD_S)
-        assert await watch.num_up() == 1 and watch.lookups == 3
+        assert await watch.num_up() == 1 and watch.lookups == 2  # answered at once from the last asking,
+        await watch._refreshing  # which is asked again meanwhile
+        assert watch.lookups == 3
 
     asyncio.run(run())
 
 
-def gate_client(available: bool, api_key: str | None = None):
+def test_while_engines_answer_a_slow_lookup_holds_no_request():
+    """Asking the engines again takes long on a busy cluster; while they answered last time, callers
+    get that answer at once and the asking goes on in the background."""
+    class SlowWatch(CountingWatch):
+        def _actors(self) -> dict:
+            time.sleep(0.5)
+            return super()._actors()
+
+    async def run():
+        watch = SlowWatch(up=1)
+        assert await watch.num_up() == 1 and watch.lookups == 1  # nothing known yet: waited for
+        watch._checked_at -= EngineWatch.PERIOD_S
+        started = time.monotonic()
+        assert await watch.num_up() == 1
+        assert time.monotonic() - started < 0.1
+        await watch._refreshing
+        assert watch.lookups == 2
+        watch.recheck()  # an engine was seen to stop: the next caller waits for the fresh answer
+        watch.up = 0
+        assert await watch.num_up() == 0 and watch.lookups == 3
+
+    asyncio.run(run())
+
+
+def gate_client(available: bool, api_key: str | None = None, full: bool | None = None):
     calls = []
 
     async def app(scope, receive, send):  # stands for the FastAPI app: 401 for a bad key, else 200
@@ -61,7 +90,10 @@ def gate_client(available: bool, api_key: str | None = None):
     async def is_available() -> bool:
         return available
 
-    gate = EngineGate(app, is_available, api_key)
+    async def is_full(inside: int) -> bool:
+        return full
+
+    gate = EngineGate(app, is_available, api_key, full=None if full is None else is_full)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://gate"), calls
 
 
@@ -96,3 +128,88 @@ def test_the_gate_lets_through_what_it_does_not_refuse():
         assert calls == ["/v1/completions"]
 
     asyncio.run(run())
+
+
+def test_with_the_engines_full_a_completion_is_refused_before_its_body_is_read():
+    """Under a burst, a request Serve's router would refuse is refused at the door, in a millisecond,
+    not after its body was parsed and tokenized among every other request's (seconds)."""
+    async def run():
+        client, calls = gate_client(available=True, full=True)
+        async with client:
+            refused = [await client.post(path, content=b"{not json") for path in EngineGate.GENERATING]
+            models = await client.get("/v1/models")
+        for r in refused:
+            assert r.status_code == 503 and r.headers["retry-after"] == str(RETRY_AFTER_S)
+            assert r.json()["error"] == {"message": OVERLOADED_MESSAGE, "type": "server_error", "param": None,
+                                         "code": "engine_overloaded"}
+            name, _, duration = r.headers["server-timing"].partition(";dur=")
+            assert name == "ingress" and 0 <= float(duration) < 100
+        assert models.status_code == 200 and calls == ["/v1/models"]
+
+    asyncio.run(run())
+
+
+def test_the_ingress_is_full_when_its_calls_fill_every_replica_and_the_routers_queue():
+    """``ServeEngineClient.full``: calls in flight against replicas x max_ongoing_requests +
+    max_queued_requests (the bound past which Serve's router refuses); a full client refuses a request
+    without calling the deployment."""
+    import serve_app
+
+    class Handle:
+        def options(self, **_):
+            raise AssertionError("a full Ingress must not call the deployment")
+
+    async def run():
+        watch = CountingWatch(up=1)
+        client = serve_app.ServeEngineClient(Handle(), watch, limits=(4, 4))
+        answers = []
+        for up, in_flight in ((1, 7), (1, 8), (2, 8), (2, 11), (2, 12)):
+            watch.up, client.in_flight = up, in_flight
+            watch.recheck()
+            answers.append(await client.full())
+        assert answers == [False, True, False, False, True]
+        with pytest.raises(EngineOverloadedError, match="every replica is at its queue bound"):
+            await client.generate("r", [1, 2], SamplingParams()).__anext__()
+        client.in_flight = 0
+        assert await client.full(coming=12) and not await client.full(coming=11)  # requests let in count
+        unbounded = serve_app.ServeEngineClient(Handle(), watch, limits=(4, -1))
+        unbounded.in_flight = 10**6
+        assert not await unbounded.full()
+
+    asyncio.run(run())
+
+
+def test_the_gate_counts_the_requests_it_let_in_until_they_are_answered():
+    """A burst passes the gate before any of its requests reached the engines: the gate's own count of
+    generating requests inside is what ``full`` weighs then."""
+    seen = []
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def full(inside: int) -> bool:
+        seen.append(inside)
+        return inside >= 2
+
+    async def available() -> bool:
+        return True
+
+    async def run():
+        gate = EngineGate(app, available, None, full=full)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://gate") as client:
+            first = [asyncio.ensure_future(client.post("/v1/completions", json={})) for _ in range(2)]
+            while gate.inside < 2:
+                await asyncio.sleep(0.001)
+            third = await client.post("/v1/chat/completions", json={})
+            release.set()
+            statuses = [(await r).status_code for r in first]
+            assert gate.inside == 0
+            fourth = await client.post("/v1/completions", json={})
+        return statuses, third, fourth
+
+    statuses, third, fourth = asyncio.run(run())
+    assert statuses == [200, 200] and third.status_code == 503 and fourth.status_code == 200
+    assert seen == [0, 1, 2, 0]
