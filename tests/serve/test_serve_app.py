@@ -118,6 +118,18 @@ def test_python_handles(served, offline):
     assert deltas[-1].finished
 
 
+def test_prompt_logprobs_through_a_python_handle(served, offline):
+    """SamplingParams.prompt_logprobs over the handle: the final output carries the engine's values
+    (they cross the scheduler actor's stream and the deltas' merge)."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    final = served["handle"].generate.remote([5, 17, 300, 41], params).result()
+    expected = offline.generate({"prompt_token_ids": [5, 17, 300, 41]}, params)[0].prompt_logprobs
+    assert final.prompt_logprobs[0] is None and len(final.prompt_logprobs) == 4
+    for got, want in zip(final.prompt_logprobs[1:], expected[1:]):
+        assert set(got) == set(want)
+        assert all(got[t][0] == pytest.approx(want[t][0], abs=1e-5) and got[t][1] == want[t][1] for t in want)
+
+
 def test_python_handles_take_openai_bodies(served, offline):
     """handle.completions / chat (and their _stream forms) take OpenAI request bodies and return what
     the HTTP API would; a bad body raises OpenAIError with the API's status and body."""
