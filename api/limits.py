@@ -4,7 +4,7 @@ One table for HTTP (the pydantic schemas of ``openai_protocol``) and gRPC (``grp
 fit the types the engine and workers use (int32 counts and token ids, an int64 seed), floats are
 finite and in a range that makes sense for the sampler (float32 on the workers). The engine's own
 configurable caps (``max_n``, ``max_logprobs``, the number and length of stop strings, ...) and its
-vocabulary check come after; the Ingress's own caps (prompts per request, body bytes) are ``ApiCaps``.
+vocabulary check come after; the Ingress's own caps (prompts per request, body bytes) are at the end.
 """
 
 from __future__ import annotations
