@@ -131,7 +131,7 @@ class SchedulerActor:
                 yield batch
         finally:  # the subscriber went away: nobody will read its requests' outputs
             for request_id in list(sub.request_ids):
-                self.engine.abort(request_id)
+                self.abort(request_id)
             self._subscribers.pop(subscriber, None)
 
     async def wait_finished(self, request_id: str) -> None:
@@ -142,6 +142,14 @@ class SchedulerActor:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+        if not self.engine.is_open(request_id):
+            # it ended at once (it had not reached the engine, e.g. its grammar was compiling): no item
+            # will come for it, so what waits on it (wait_finished, the LLMServer call) ends here
+            done = self._finished.pop(request_id, None)
+            if done is not None:
+                done.set()
+            for sub in self._subscribers.values():
+                sub.request_ids.discard(request_id)
 
     def stats(self) -> dict:
         return self.engine.stats()

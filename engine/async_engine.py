@@ -177,6 +177,10 @@ class AsyncLLM:
             del self._sinks[request_id]
         sink(item)
 
+    def is_open(self, request_id: str) -> bool:
+        """Whether ``request_id`` still has an item to come (a delta, its final output or its error)."""
+        return request_id in self._sinks
+
     def _apply_commands(self) -> None:
         """Apply the queued adds and aborts. Each command is guarded alone: an add that raises fails
         that request (its sink gets the error: a ValueError as it is, anything else as one clean
@@ -198,7 +202,7 @@ class AsyncLLM:
                                             grammar=grammar)
         except ValueError as exc:
             self._deliver(request_id, exc)
-        except Exception:  # noqa: BLE001 - this request fails, not the batch
+        except Exception:  # this request fails, not the batch
             logger.exception("adding request %r to the engine failed", request_id)
             self._discard(request_id)
             self._deliver(request_id, RequestFailedError(ADD_FAILED))
@@ -206,7 +210,7 @@ class AsyncLLM:
     def _apply_abort(self, request_id: str) -> None:
         try:
             output = self.core.abort_request(request_id)
-        except Exception:  # noqa: BLE001 - the request is still removed
+        except Exception:  # the request is still removed
             logger.exception("aborting request %r failed; removing it", request_id)
             self._discard(request_id)
             output = None
@@ -219,7 +223,7 @@ class AsyncLLM:
     def _discard(self, request_id: str) -> None:
         try:
             self.core.discard_request(request_id)
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.exception("removing request %r from the engine failed", request_id)
 
     async def _step_loop(self) -> None:
@@ -227,7 +231,7 @@ class AsyncLLM:
         while True:
             try:
                 self._apply_commands()
-            except Exception:  # noqa: BLE001 - cannot happen (every command is guarded); never die
+            except Exception:  # cannot happen (every command is guarded); never die
                 logger.exception("applying the queued requests failed")
             if not self.core.has_unfinished_requests():
                 self._wakeup.clear()
@@ -248,7 +252,7 @@ class AsyncLLM:
         for request_id in list(self._sinks):
             try:
                 self.core.abort_request(request_id)
-            except Exception:  # noqa: BLE001 - every sink still gets the error
+            except Exception:  # every sink still gets the error
                 logger.exception("aborting request %r failed; removing it", request_id)
                 self._discard(request_id)
             self._deliver(request_id, error)

@@ -83,8 +83,10 @@ def test_many_requests_of_every_ending_leave_nothing_behind(model_dirs):
     assert len(ended) == 140
     assert core.stats()["num_failed_requests"] == 20
     assert_nothing_per_request_is_left(actor)
-    # the subscribers got each request's end
+    # the subscribers got the end of each request that reached the engine (one aborted while it
+    # compiled may get an empty final output, or nothing)
     pushed = {rid for sub in actor._subscribers.values() for rid, item in sub.pending
               if isinstance(item, BaseException) or item.finished}
-    assert pushed == {r for r, kind in ended.items() if kind != "refused"}
+    assert {r for r, kind in ended.items() if kind not in ("refused", "abort_compiling")} <= pushed
+    assert pushed <= {r for r, kind in ended.items() if kind != "refused"}
     actor.engine.shutdown()

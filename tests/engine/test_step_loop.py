@@ -8,7 +8,13 @@ import asyncio
 from engine import AsyncLLM
 from engine.async_engine import ADD_FAILED, STEP_FAILED
 from engine.core import EngineDeadError, RequestFailedError
-from tests.engine.test_engine_failures import PARAMS, PROMPTS, FakeExecutor, make_core, reference_tokens
+from tests.engine.test_engine_failures import (
+    PARAMS,
+    PROMPTS,
+    FakeExecutor,
+    make_core,
+    reference_tokens,
+)
 
 
 def collect(engine: AsyncLLM, request_ids, results: dict) -> None:
@@ -90,31 +96,34 @@ def test_a_failing_abort_is_logged_and_the_request_still_ends(model_dirs):
     engine.shutdown()
 
 
-def test_a_request_aborted_before_it_was_added_still_ends_its_stream(model_dirs):
-    """Aborted while its grammar compiles (not yet in the engine): its sink still gets a final
-    output, so a caller waiting for the request to end (the scheduler actor's ``wait_finished``,
-    its per-request entries) neither waits nor keeps anything forever."""
+def test_a_request_aborted_before_it_reached_the_engine_is_not_waited_on(model_dirs):
+    """Aborted while its grammar compiles (not yet in the engine): nothing more comes for it, and the
+    scheduler actor's bookkeeping (``wait_finished``, which the LLMServer call awaits, and the
+    subscriber's request ids) ends at once instead of waiting forever."""
     from concurrent.futures import Future
 
+    from cluster.scheduler_actor import SchedulerActor
     from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
     core = make_core(model_dirs, FakeExecutor())
     pending: Future = Future()
     core.structured_outputs.compile_async = lambda spec: pending
-    engine = AsyncLLM(core.config, core=core)
-    results: dict = {}
+    actor = SchedulerActor.__new__(SchedulerActor)  # the actor's request bookkeeping, without Ray
+    actor.engine = AsyncLLM(core.config, core=core)
+    actor._subscribers, actor._finished = {}, {}
     params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
 
     async def main():
-        engine.submit("a", PROMPTS[0], params, lambda item: results.setdefault("a", []).append(item))
-        engine.abort("a")
-        await wait_all(results, ["a"])
+        await actor.add_request("a", PROMPTS[0], params, None, "ingress")
+        actor.abort("a")
+        await asyncio.wait_for(actor.wait_finished("a"), 1.0)
         pending.set_result(object())  # compiled after the abort: nothing is queued
         await asyncio.sleep(0.05)
 
     asyncio.run(main())
-    assert [(o.request_id, o.finished, o.outputs) for o in results["a"]] == [("a", True, [])]
-    assert not engine._sinks and not core.scheduler.requests and not engine._commands
+    engine = actor.engine
+    assert not engine.is_open("a") and not engine._sinks and not engine._commands and not core.scheduler.requests
+    assert actor._finished == {} and actor._subscribers["ingress"].request_ids == set()
     engine.shutdown()
 
 
