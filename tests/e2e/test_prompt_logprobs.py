@@ -46,42 +46,49 @@ def check(prompt_logprobs, prompt: list[int], reference, k: int) -> None:
         assert len(entry) in (k, k + 1)
 
 
-def test_prompt_logprobs_match_hf_in_one_prefill_and_chunked(model_dirs, prompt, reference):
-    whole = LLM(model=model_dirs[ARCH], enable_prefix_caching=False)
+@pytest.fixture(scope="module")
+def llm(model_dirs):
+    with LLM(model=model_dirs[ARCH], block_size=16) as engine:  # prefix caching on, prompts in one prefill
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def chunked(model_dirs):
     # chunks of at most 48 tokens, their logits in slices of max_num_seqs = 16 rows
-    chunked = LLM(model=model_dirs[ARCH], enable_prefix_caching=False, max_num_batched_tokens=48, max_num_seqs=16)
-    with whole, chunked:
-        for llm in (whole, chunked):
-            out = llm.generate({"prompt_token_ids": prompt}, params(3))[0]
-            check(out.prompt_logprobs, prompt, reference, 3)
-        # the chunked prefill ran in 7 chunks of at most 48 tokens: every position was still covered
-        assert chunked.core.scheduler.stats.num_steps >= 7
+    with LLM(model=model_dirs[ARCH], enable_prefix_caching=False, max_num_batched_tokens=48,
+             max_num_seqs=16) as engine:
+        yield engine
 
 
-def test_a_prefix_cache_hit_is_not_taken_for_the_logprobs_it_would_skip(model_dirs, prompt, reference):
-    with LLM(model=model_dirs[ARCH], block_size=16) as llm:
-        first = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=2))[0]
-        assert first.prompt_logprobs is None
-        second = llm.generate({"prompt_token_ids": prompt}, params(2))[0]
-        check(second.prompt_logprobs, prompt, reference, 2)
-        assert second.num_cached_tokens == 0
-        # once they are computed, the same prompt without them hits the cache again
-        third = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=2))[0]
-        assert third.num_cached_tokens == 304
-        assert [o.token_ids for o in second.outputs] == [o.token_ids for o in first.outputs]
+def test_prompt_logprobs_match_hf_in_one_prefill_and_chunked(llm, chunked, prompt, reference):
+    for engine in (llm, chunked):
+        out = engine.generate({"prompt_token_ids": prompt}, params(3))[0]
+        check(out.prompt_logprobs, prompt, reference, 3)
+    # the chunked prefill ran in 7 chunks of at most 48 tokens: every position was still covered
+    assert chunked.core.scheduler.stats.num_steps >= 7
 
 
-def test_prompt_logprobs_with_n_samples_and_k_zero(model_dirs, prompt, reference):
-    with LLM(model=model_dirs[ARCH]) as llm:
-        out = llm.generate({"prompt_token_ids": prompt}, params(0, n=3))[0]
+def test_a_prefix_cache_hit_is_not_taken_for_the_logprobs_it_would_skip(llm, prompt, reference):
+    first = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=2))[0]
+    assert first.prompt_logprobs is None
+    second = llm.generate({"prompt_token_ids": prompt}, params(2))[0]
+    check(second.prompt_logprobs, prompt, reference, 2)
+    assert second.num_cached_tokens == 0
+    # once they are computed, the same prompt without them hits the cache again
+    third = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=2))[0]
+    assert third.num_cached_tokens == 304
+    assert [o.token_ids for o in second.outputs] == [o.token_ids for o in first.outputs]
+
+
+def test_prompt_logprobs_with_n_samples_and_k_zero(llm, prompt, reference):
+    out = llm.generate({"prompt_token_ids": prompt}, params(0, n=3))[0]
     assert [len(o.token_ids) for o in out.outputs] == [2, 2, 2]
     assert all(len(entry) == 1 for entry in out.prompt_logprobs[1:])
     for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
         assert entry[prompt[position]][0] == pytest.approx(float(reference[position - 1][prompt[position]]), abs=TOL)
 
 
-def test_prompt_logprobs_over_max_logprobs_are_refused(model_dirs):
-    with LLM(model=model_dirs[ARCH], max_logprobs=4) as llm:
-        with pytest.raises(ValueError, match=r"^prompt_logprobs must be at most 4 \(the engine's max_logprobs\), "
-                                             r"got 5$"):
-            llm.generate({"prompt_token_ids": [5, 6, 7]}, params(5))
+def test_prompt_logprobs_over_max_logprobs_are_refused(llm):
+    with pytest.raises(ValueError, match=r"^prompt_logprobs must be at most 20 \(the engine's max_logprobs\), "
+                                         r"got 21$"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, params(21))
