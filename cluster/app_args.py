@@ -38,9 +38,12 @@ ENGINE_KWARGS = frozenset({
     "tensor_parallel_size", "dtype", "device", "block_size", "enable_prefix_caching", "num_kv_blocks",
     "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "seed", "placement_strategy", "attention_backend", "cascade_attention", "max_worker_restarts",
+    "max_consecutive_failed_steps",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
     "max_stop_token_ids", "max_stop_string_length", "max_stop_total_length", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
-    "enforce_eager",
+    "enforce_eager", "structured_output_max_length", "structured_output_max_depth", "structured_output_max_count",
+    "structured_output_compile_timeout_s", "structured_output_max_pending_compiles",
+    "structured_output_compile_threads",
 })
 # Serve deployment options that deployment_config / ingress_deployment_config may set
 DEPLOYMENT_OPTIONS = frozenset({
@@ -120,6 +123,7 @@ class AppArgs(BaseModel):
     max_worker_restarts: int = 3  # rank-group rebuilds within worker_restart_window_s before the engine is dead
     worker_restart_window_s: float = 600.0
     worker_restart_backoff_s: float = 1.0
+    max_consecutive_failed_steps: int = 3  # steps of one request failing in a row: the ranks are rebuilt
     max_n: int = 128  # caps on one request's work (a request over them gets a 400)
     max_logprobs: int = 20
     max_stop_sequences: int = 64

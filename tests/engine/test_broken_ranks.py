@@ -10,7 +10,14 @@ import pytest
 from engine import AsyncLLM
 from engine.core import EngineDeadError
 from engine.executor import StepFailedError
-from tests.engine.test_engine_failures import PARAMS, PROMPTS, FakeExecutor, make_core, reference_tokens, run
+from tests.engine.test_engine_failures import (
+    PARAMS,
+    PROMPTS,
+    FakeExecutor,
+    make_core,
+    reference_tokens,
+    run,
+)
 
 
 class BrokenExecutor(FakeExecutor):
@@ -100,3 +107,14 @@ def test_poisonous_requests_with_good_steps_between_rebuild_nothing(model_dirs):
     assert {k: v.outputs[0].token_ids for k, v in finals.items() if k.startswith("r")} == expected
     assert all(finals[f"bad{n}"].error is not None for n in range(3))
     assert core.stats()["num_failed_requests"] == 3
+
+
+def test_the_count_is_an_engine_setting_and_an_app_argument(model_dirs):
+    from cluster.app_args import ENGINE_KWARGS, AppArgs
+    from engine.llm import engine_config
+
+    assert "max_consecutive_failed_steps" in ENGINE_KWARGS
+    assert AppArgs(engine_kwargs={"max_consecutive_failed_steps": 5}).max_consecutive_failed_steps == 5
+    assert engine_config(model_dirs["llama"]).max_consecutive_failed_steps == 3
+    with pytest.raises(ValueError, match="max_consecutive_failed_steps must be an integer >= 2, got 1"):
+        engine_config(model_dirs["llama"], max_consecutive_failed_steps=1)
