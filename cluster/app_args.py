@@ -41,9 +41,7 @@ ENGINE_KWARGS = frozenset({
     "max_consecutive_failed_steps",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
     "max_stop_token_ids", "max_stop_string_length", "max_stop_total_length", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
-    "enforce_eager", "structured_output_max_length", "structured_output_max_depth", "structured_output_max_count",
-    "structured_output_compile_timeout_s", "structured_output_max_pending_compiles",
-    "structured_output_compile_threads",
+    "enforce_eager",
 })
 # Serve deployment options that deployment_config / ingress_deployment_config may set
 DEPLOYMENT_OPTIONS = frozenset({
