@@ -14,8 +14,9 @@ chaos, one fault after another, each once the app serves steadily again:
 
 and reports for each: the requests in flight at the fault that did not complete (lost), the requests
 sent after it that were refused (their statuses and error codes), those that got no answer within
-the client timeout (hung), and the seconds from the fault until a request sent after it completed
-(recovery).
+the client timeout (hung), the seconds from the fault until a request sent after it completed
+(recovery), the error messages those requests read, and any of them that shows internals (leaked:
+Ray's exception names, actor ids, pids, addresses, tracebacks).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -46,6 +48,12 @@ class Record:
     status: int | str  # HTTP status, or the client-side exception's name ("ReadTimeout": hung)
     code: str | None = None  # the OpenAI error body's code
     stream: bool = False
+    message: str | None = None  # the OpenAI error body's message
+
+
+# what an error message must not show a client: Ray's exception names, actor ids, pids, addresses, tracebacks
+INTERNALS = re.compile(r"ActorDiedError|RayActorError|RayTaskError|actor_id|\bpid\b|\b[0-9a-f]{32}\b|"
+                       r"\b\d{1,3}(?:\.\d{1,3}){3}\b|Traceback|ray::")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -197,14 +205,17 @@ class Load:
         if r.status_code == 200:
             ok = r.json()["usage"]["completion_tokens"] == self.max_tokens
             return Record(start, time.monotonic(), ok, 200, None if ok else "wrong_token_count")
-        return Record(start, time.monotonic(), False, r.status_code, _error_code(r.content))
+        return Record(start, time.monotonic(), False, r.status_code, _error_code(r.content),
+                      message=_error_message(r.content))
 
     async def _streamed(self, body: dict, start: float) -> Record:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         events = []
         async with self._http.stream("POST", f"{self.url}/v1/completions", json=body) as r:
             if r.status_code != 200:
-                return Record(start, time.monotonic(), False, r.status_code, _error_code(await r.aread()), True)
+                content = await r.aread()
+                return Record(start, time.monotonic(), False, r.status_code, _error_code(content), True,
+                              _error_message(content))
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -213,7 +224,7 @@ class Load:
             return Record(start, end, False, 200, "unfinished_stream", True)
         last = json.loads(events[-2]) if len(events) >= 2 else {}
         if "error" in last:
-            return Record(start, end, False, 200, last["error"].get("code"), True)
+            return Record(start, end, False, 200, last["error"].get("code"), True, last["error"].get("message"))
         ok = (last.get("usage") or {}).get("completion_tokens") == self.max_tokens
         return Record(start, end, ok, 200, None if ok else "wrong_token_count", True)
 
@@ -227,6 +238,17 @@ def _error_code(content: bytes) -> str | None:
         return json.loads(content)["error"]["code"]
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _error_message(content: bytes) -> str | None:
+    try:
+        return json.loads(content)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _messages(records: list[Record]) -> dict[str, int]:
+    return dict(Counter(r.message for r in records if r.message is not None))
 
 
 def _outcomes(records: list[Record]) -> dict[str, int]:
@@ -269,6 +291,9 @@ async def _chaos(url: str, faults: list[str], concurrency: int, max_tokens: int,
                 "refused_outcomes": _outcomes([r for r in after if not r.ok]),
                 "hung": sum(isinstance(r.status, str) and "Timeout" in r.status
                             for r in in_flight + after),
+                # what the failed requests read, and those of it that show internals (should be none)
+                "error_messages": _messages(in_flight + after),
+                "leaked": sorted({r.message for r in in_flight + after if r.message and INTERNALS.search(r.message)}),
             }
             print(f"[chaos] {fault}: recovery {result['recovery_s']} s, lost {result['lost']} of "
                   f"{result['in_flight']} in flight, refused {result['refused']} {result['refused_outcomes']}, "

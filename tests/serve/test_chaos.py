@@ -52,6 +52,23 @@ def test_chaos_a_rank_killed_at_tp2_loses_no_request(model_dirs, tmp_path):
     assert fault["fault"] == "rank" and fault["killed"].startswith("rank 1 (pid ")
     assert fault["in_flight"] == 2  # both clients had a request open
     assert fault["lost"] == 0 and fault["in_flight_outcomes"] == {"ok": 2}
-    assert fault["refused"] == 0 and fault["hung"] == 0
+    assert fault["refused"] == 0 and fault["hung"] == 0 and fault["leaked"] == []
     assert fault["recovery_s"] is not None and 0 < fault["recovery_s"] < 60
+    assert report["num_blocks_in_use_at_end"] == 0 and report["num_requests_running_at_end"] == 0
+
+
+def test_chaos_a_killed_scheduler_actor_fails_its_requests_in_sentences_without_internals(model_dirs, tmp_path):
+    """The requests in flight on a scheduler actor that is killed, and those refused while its replica
+    rebuilds it, read the API's sentences: no ActorDiedError, actor id, pid or address."""
+    out = tmp_path / "chaos.json"
+    kvserve("chaos", "--model", model_dirs["llama"], "--faults", "scheduler", "--tensor-parallel-size", "1",
+            "--concurrency", "2", "--max-tokens", "256", "--settle", "2", "--app-arg", "num_kv_blocks=256",
+            "--out", str(out), timeout=300)
+    report = json.loads(out.read_text())
+    [fault] = report["faults"]
+    assert fault["fault"] == "scheduler" and fault["in_flight"] == 2
+    assert fault["lost"] == 2 and fault["hung"] == 0  # both failed, with an answer
+    assert sum(fault["error_messages"].values()) >= 2 and fault["leaked"] == []
+    assert "the engine stopped while serving this request; retry shortly" in fault["error_messages"]
+    assert fault["recovery_s"] is not None
     assert report["num_blocks_in_use_at_end"] == 0 and report["num_requests_running_at_end"] == 0
