@@ -267,7 +267,8 @@ def build_app(args: AppArgs | dict | None = None):
     return ingress.bind(llm_server, config.model, served_name, config.max_model_len, args.api_key,
                         args.stream_interval, min_engines, args.api_key_env, args.api_key_file,
                         args.tool_call_parser, args.max_prompts_per_request, args.max_request_body_bytes,
-                        config.max_logprobs, (options["max_ongoing_requests"], options["max_queued_requests"]))
+                        config.max_logprobs,
+                        llm_server_limits=(options["max_ongoing_requests"], options["max_queued_requests"]))
 
 
 app = build_app
