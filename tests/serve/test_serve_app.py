@@ -222,6 +222,26 @@ def test_grpc_through_serve_proxy(served, offline):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_grpc_requests_sharing_a_client_id_through_serve(served, offline):
+    """Two streams at once with one request_id through Serve's proxy (the id is the client's label,
+    the engine's ids are the Ingress's own): both complete with their own tokens, each echoing it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    stub = pb_grpc.KVServeStub(grpc.insecure_channel(served["grpc"]))
+    authorized = [("application", "kvserve"), ("authorization", f"Bearer {API_KEY}")]
+
+    def stream(prompt: str) -> tuple[set[str], str]:
+        request = pb.GenerateRequest(text=prompt, request_id="mine", params=pb.SamplingParameters(
+            max_tokens=40, temperature=0.0, ignore_eos=True))
+        messages = list(stub.GenerateStream(request, metadata=authorized, timeout=60))
+        return {m.request_id for m in messages}, "".join(c.text for m in messages for c in m.completions)
+
+    prompts = ["A quiet morning", "The river bends"]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(stream, prompts))
+    assert results == [({"mine"}, greedy_text(offline, p, 40)) for p in prompts]
+
+
 def test_metrics_are_present_and_move(served, client):
     before = metrics(served["url"])
     for name in ("kvserve:prefix_cache_queries_total", "kvserve:kv_cache_usage_perc",
