@@ -56,7 +56,9 @@ from api.engine_client import EngineClient, aclose_quietly
 from api.errors import OpenAIError, clean_message
 from api.limits import check_float, check_int, check_ints
 from engine.messages import CompletionOutput, RequestOutput
+from engine.config import STRUCTURED_OUTPUT_DEPTH_CEILING
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.structured_bounds import json_text_depth
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,8 @@ def constraint_from_proto(p: pb.SamplingParameters) -> StructuredOutputsParams |
     the constraint compiles is the engine's to say, at admission."""
     kind = p.WhichOneof("constraint")
     if kind == "json_schema":
+        if json_text_depth(p.json_schema) > STRUCTURED_OUTPUT_DEPTH_CEILING:  # too deep to parse here: the
+            return StructuredOutputsParams(json=p.json_schema)  # engine's depth bound refuses the text
         try:
             schema = json.loads(p.json_schema)
         except ValueError as exc:

@@ -14,8 +14,10 @@ regex or grammar compiles is the engine's to say, at admission (a ValueError wit
 
 from __future__ import annotations
 
+import json as _json
 from typing import Any
 
+from engine.config import STRUCTURED_OUTPUT_DEPTH_CEILING
 from engine.sampling_params import StructuredOutputsParams
 
 # a function without "parameters" takes no arguments (as OpenAI reads it)
@@ -73,17 +75,40 @@ def constraint_of(given: dict[str, StructuredOutputsParams | None]) -> Structure
     return next(iter(named.values()), None)
 
 
+def json_depth(value) -> int:
+    """How deeply a parsed JSON value nests (objects and arrays), counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def transportable(schema):
+    """A schema as it travels to the engine: a schema nested deeper than any engine allows goes as its
+    JSON text (pickling it whole could exceed the recursion limit on the way), which the engine's
+    depth bound then refuses with the same sentence as any schema too deep for it."""
+    if isinstance(schema, (dict, list)) and json_depth(schema) > STRUCTURED_OUTPUT_DEPTH_CEILING:
+        try:
+            return _json.dumps(schema)
+        except RecursionError:  # deeper than even the text can be written: a text just as refused
+            return "[" * (STRUCTURED_OUTPUT_DEPTH_CEILING + 1)
+    return schema
+
+
 def from_response_format(kind: str, schema: dict[str, Any] | None) -> StructuredOutputsParams | None:
     """``response_format`` of type "text" (no constraint), "json_object" or "json_schema"."""
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
     if kind == "json_schema":
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=transportable(schema))
     return None
 
 
 def from_fields(json: dict | str | None = None, regex: str | None = None, choice: list[str] | None = None,
                 grammar: str | None = None, json_object: bool | None = None) -> StructuredOutputsParams:
     """vLLM's ``structured_outputs`` object: exactly one of its fields (ValueError otherwise)."""
-    return StructuredOutputsParams(json=json, regex=regex, choice=None if choice is None else tuple(choice),
+    return StructuredOutputsParams(json=transportable(json), regex=regex, choice=None if choice is None else tuple(choice),
                                    grammar=grammar, json_object=bool(json_object))

@@ -41,7 +41,9 @@ ENGINE_KWARGS = frozenset({
     "max_consecutive_failed_steps",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
     "max_stop_token_ids", "max_stop_string_length", "max_stop_total_length", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
-    "enforce_eager",
+    "enforce_eager", "structured_output_max_length", "structured_output_max_depth", "structured_output_max_count",
+    "structured_output_compile_timeout_s", "structured_output_max_pending_compiles",
+    "structured_output_compile_threads",
 })
 # Serve deployment options that deployment_config / ingress_deployment_config may set
 DEPLOYMENT_OPTIONS = frozenset({
@@ -126,6 +128,12 @@ class AppArgs(BaseModel):
     max_logprobs: int = 20
     max_stop_sequences: int = 64
     max_stop_token_ids: int = 1024
+    structured_output_max_length: int = 65536  # bounds of one structured-output constraint (EngineConfig)
+    structured_output_max_depth: int = 64
+    structured_output_max_count: int = 4096
+    structured_output_compile_timeout_s: float = 10.0
+    structured_output_max_pending_compiles: int = 64
+    structured_output_compile_threads: int = 2
     max_stop_string_length: int = 1024  # characters of one stop string, and of all of them
     max_stop_total_length: int = 16384
     max_prompts_per_request: int = Field(256, ge=1)  # the Ingress's caps: prompts in one completion request,

@@ -22,6 +22,7 @@ from engine.core import EngineCore, EngineDeadError, EngineOverloadedError, Prom
 from engine.messages import RequestOutput, merge_outputs
 from engine.prefix_report import PrefixReport
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.structured_output import CompileQueueFullError, compile_timeout_message
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self._sinks: dict[str, Sink] = {}
         self._commands: list[tuple] = []
-        self._compiling = 0  # admitted requests whose grammar is still compiling (not yet queued)
+        # admitted requests whose grammar is still compiling (not yet queued): id -> (future, timeout timer)
+        self._compiling: dict[str, tuple] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
@@ -78,25 +80,42 @@ class AsyncLLM:
         command = ("add", request_id, text, token_ids, params, cache_salt, None)
         if params.structured_outputs is not None:
             # compiled on the engine's grammar threads; the request is queued once its grammar is ready
-            # (a new schema never stalls the step loop), at once on a cache hit
-            future = self.core.structured_outputs.compile_async(params.structured_outputs)
+            # (a new schema never stalls the step loop), at once on a cache hit. Pending compiles have
+            # their own bound (structured_output_max_pending_compiles), not max_waiting_requests
+            manager = self.core.structured_outputs
+            try:
+                future = manager.compile_async(params.structured_outputs)  # ValueError past a bound
+            except CompileQueueFullError as exc:
+                raise EngineOverloadedError(str(exc)) from None
             if future.done():
+                manager.release(future)
                 command = command[:-1] + (future.result(),)  # a constraint that does not compile raises here
             else:
                 self._sinks[request_id] = sink
-                self._compiling += 1
                 loop = asyncio.get_running_loop()
-                future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, command, f))
+                timer = loop.call_later(manager.compile_timeout_s, self._compile_timed_out, request_id)
+                self._compiling[request_id] = (future, timer)
+                future.add_done_callback(lambda f: self._wake(loop, command, f))
                 return
         self._sinks[request_id] = sink
         self._submit(command)
 
+    def _wake(self, loop, command: tuple, future) -> None:
+        """On the compiling thread: hand the finished compile to the event loop (gone: nobody waits)."""
+        try:
+            loop.call_soon_threadsafe(self._compiled, command, future)
+        except RuntimeError:
+            pass  # the loop closed
+
     def _compiled(self, command: tuple, future) -> None:
         """A grammar finished compiling (on the event loop): queue its request, or refuse it."""
-        self._compiling -= 1
         request_id = command[1]
-        if request_id not in self._sinks:
-            return  # aborted meanwhile
+        if self._compiling.get(request_id, (None,))[0] is not future:
+            return  # aborted or timed out meanwhile
+        self._end_compile(request_id)
+        if future.cancelled():  # the engine shut down
+            self._deliver(request_id, EngineDeadError("the engine shut down"))
+            return
         exc = future.exception()
         if exc is not None:
             self._deliver(request_id, exc if isinstance(exc, ValueError) else
@@ -135,15 +154,33 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """End a request; its sink gets a final output with finish_reason "abort" (if it was running)."""
+        """End a request; its sink gets a final output with finish_reason "abort" (if it was running).
+        A request still compiling its grammar ends at once, with no tokens (its compile is cancelled if
+        nobody else waits for it and it has not started)."""
+        if request_id in self._compiling:
+            self._end_compile(request_id)
+            self._deliver(request_id, RequestOutput(request_id, None, [], [], True))
+            return
         self._submit(("abort", request_id))
+
+    def _end_compile(self, request_id: str) -> None:
+        """A compiling request stops waiting for its grammar (compiled, timed out or aborted)."""
+        future, timer = self._compiling.pop(request_id)
+        timer.cancel()
+        self.core.structured_outputs.release(future)
+
+    def _compile_timed_out(self, request_id: str) -> None:
+        if request_id in self._compiling:
+            self._end_compile(request_id)
+            self._deliver(request_id, ValueError(compile_timeout_message(
+                self.core.structured_outputs.compile_timeout_s)))
 
     @property
     def num_waiting_requests(self) -> int:
         """Admitted requests that will have to wait: those not running yet (queued here or in the
         scheduler) beyond the free places of the running batch."""
-        scheduler = self.core.scheduler
-        adds = sum(1 for c in self._commands if c[0] == "add") + self._compiling
+        scheduler = self.core.scheduler  # requests still compiling their grammar are not counted
+        adds = sum(1 for c in self._commands if c[0] == "add")
         free = max(0, scheduler.max_num_seqs - len(scheduler.running))
         return max(0, adds + len(scheduler.waiting) - free)
 

@@ -10,6 +10,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 TP_DISPATCH = ("remote", "compiled")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# the deepest nesting a structured-output constraint may be allowed (the API refuses deeper ones before
+# reading them into the engine's request)
+STRUCTURED_OUTPUT_DEPTH_CEILING = 256
 
 
 def _read_json(path: Path) -> dict:
@@ -191,6 +194,16 @@ class EngineConfig:
     max_stop_string_length: int = 1024
     max_stop_total_length: int = 16384
     max_stop_token_ids: int = 1024
+    # what one structured-output constraint may ask the grammar compiler for (engine/structured_bounds.py):
+    # characters of its text, nesting levels (at most STRUCTURED_OUTPUT_DEPTH_CEILING), count keywords and
+    # {n,m} repetitions; a compile's time (its request fails past it), compiles queued or running at once
+    # (more are refused as overload), and the threads that run them
+    structured_output_max_length: int = 65536
+    structured_output_max_depth: int = 64
+    structured_output_max_count: int = 4096
+    structured_output_compile_timeout_s: float = 10.0
+    structured_output_max_pending_compiles: int = 64
+    structured_output_compile_threads: int = 2
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -215,6 +228,17 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "max_logprobs" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("structured_output_max_length", "structured_output_max_count",
+                     "structured_output_max_pending_compiles", "structured_output_compile_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 1 <= self.structured_output_max_depth <= STRUCTURED_OUTPUT_DEPTH_CEILING:
+            raise ValueError(f"structured_output_max_depth must be between 1 and {STRUCTURED_OUTPUT_DEPTH_CEILING}, "
+                             f"got {self.structured_output_max_depth!r}")
+        if not self.structured_output_compile_timeout_s > 0:
+            raise ValueError(f"structured_output_compile_timeout_s must be > 0, got "
+                             f"{self.structured_output_compile_timeout_s!r}")
         if not self.worker_restart_window_s > 0 or not self.worker_restart_backoff_s >= 0:
             raise ValueError("worker_restart_window_s must be > 0 and worker_restart_backoff_s >= 0")
 

@@ -49,8 +49,7 @@ class EngineCore(StepFailures):
         self.num_kv_blocks = num_blocks
         kv_info = self.executor.kv_cache_info()  # the host tier's size is the ranks' (bytes -> blocks)
         # constrained decoding: grammars compiled off the step loop, matchers and bitmasks beside the scheduler
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
-                                                          config.model.eos_token_ids)
+        self.structured_outputs = StructuredOutputManager.from_config(self.tokenizer, config)
         self.scheduler = Scheduler(
             structured_outputs=self.structured_outputs,
             num_host_kv_blocks=kv_info.get("num_host_kv_blocks", 0),

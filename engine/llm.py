@@ -60,6 +60,12 @@ def engine_config(
     max_stop_string_length: int = 1024,
     max_stop_total_length: int = 16384,
     max_stop_token_ids: int = 1024,
+    structured_output_max_length: int = 65536,
+    structured_output_max_depth: int = 64,
+    structured_output_max_count: int = 4096,
+    structured_output_compile_timeout_s: float = 10.0,
+    structured_output_max_pending_compiles: int = 64,
+    structured_output_compile_threads: int = 2,
 ) -> EngineConfig:
     """An ``EngineConfig`` from the flat keyword arguments users know from vLLM."""
     return EngineConfig(
@@ -84,6 +90,12 @@ def engine_config(
         max_stop_string_length=max_stop_string_length,
         max_stop_total_length=max_stop_total_length,
         max_stop_token_ids=max_stop_token_ids,
+        structured_output_max_length=structured_output_max_length,
+        structured_output_max_depth=structured_output_max_depth,
+        structured_output_max_count=structured_output_max_count,
+        structured_output_compile_timeout_s=structured_output_compile_timeout_s,
+        structured_output_max_pending_compiles=structured_output_max_pending_compiles,
+        structured_output_compile_threads=structured_output_compile_threads,
     )
 
 

@@ -10,6 +10,11 @@ first constrained request: an engine that never sees one never loads it.
 
 Compilation runs on a small thread pool, off the step loop, and a request enters the scheduler
 only once its grammar compiled; a constraint that does not compile raises ValueError at admission.
+Before anything parses, hashes or compiles a constraint, its size, nesting and counts are checked
+against the engine's bounds (``engine.structured_bounds``). A compile that nobody waits for any more
+(its requests aborted or timed out) is cancelled if it has not started; a started one runs to its end
+(native code cannot be stopped; it releases the GIL, and the bounds keep its length in check) and
+counts as pending until then, so ``max_pending`` bounds the threads and the queue it all takes.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.sampling_params import StructuredOutputsParams
+from engine.structured_bounds import StructuredOutputBounds
 
 BACKENDS = {"xgrammar": "workers.structured_output:XgrammarBackend"}
 
@@ -33,6 +39,10 @@ def _load(target: str):
     except ModuleNotFoundError as exc:
         raise RuntimeError(f"the structured output backend {target} is not available: {exc}") from exc
     return getattr(module, class_name)
+
+
+class CompileQueueFullError(RuntimeError):
+    """As many compiles as the engine allows are queued or running; a new one is refused (overload)."""
 
 
 def cache_key(params: StructuredOutputsParams) -> tuple:
@@ -51,21 +61,42 @@ def cache_key(params: StructuredOutputsParams) -> tuple:
     return kind, getattr(params, kind)
 
 
+def compile_timeout_message(timeout_s: float) -> str:
+    return (f"the structured output constraint did not compile within structured_output_compile_timeout_s="
+            f"{timeout_s:g} s; make it smaller or shallower.")
+
+
 class StructuredOutputManager:
     """Compiled grammars and matchers of one engine (one tokenizer). ``max_cached`` compiled grammars
     are kept, least recently used evicted; a failed compilation is cached too (it would fail again)."""
 
+    @classmethod
+    def from_config(cls, tokenizer, config) -> StructuredOutputManager:
+        """The manager of an engine with ``config`` (an ``EngineConfig``): its bounds and compile settings."""
+        bounds = StructuredOutputBounds(config.structured_output_max_length, config.structured_output_max_depth,
+                                        config.structured_output_max_count)
+        return cls(tokenizer, config.model.vocab_size, config.model.eos_token_ids, bounds=bounds,
+                   compile_threads=config.structured_output_compile_threads,
+                   max_pending=config.structured_output_max_pending_compiles,
+                   compile_timeout_s=config.structured_output_compile_timeout_s)
+
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, *, backend: str = "xgrammar",
-                 compile_threads: int = 2, max_cached: int = 256) -> None:
+                 compile_threads: int = 2, max_cached: int = 256, bounds: StructuredOutputBounds | None = None,
+                 max_pending: int | None = None, compile_timeout_s: float | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.backend_name = backend
         self.compile_threads = compile_threads
         self.max_cached = max_cached
+        self.bounds = bounds or StructuredOutputBounds()
+        self.max_pending = max_pending  # compiles queued or running at once (None: unbounded)
+        self.compile_timeout_s = compile_timeout_s  # how long ``compile`` waits (None: until it is done)
         self._backend = None
-        self._lock = threading.Lock()  # guards the cache and the backend's creation
+        # guards the cache, the pending compiles and the backend's creation (reentrant: a cancel runs _done)
+        self._lock = threading.RLock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._pending: dict[Future, list] = {}  # compile not done -> [its cache key, requests waiting for it]
         self._pool: ThreadPoolExecutor | None = None
         self.num_compiled = 0  # grammars compiled (cache misses)
         self.compile_time_s = 0.0  # their total compile time
@@ -83,25 +114,67 @@ class StructuredOutputManager:
 
     def compile_async(self, params: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar of ``params`` (already done on a cache hit); its exception
-        is a ValueError when the constraint does not compile."""
+        is a ValueError when the constraint does not compile. ValueError at once when the constraint
+        exceeds a bound; CompileQueueFullError when it needs a new compile and ``max_pending`` are
+        queued or running. The caller waits for the future: ``release`` it if it stops waiting."""
+        self.bounds.check(params.kind, getattr(params, params.kind))
         key = cache_key(params)
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
+                if future in self._pending:
+                    self._pending[future][1] += 1
                 return future
+            if self.max_pending is not None and len(self._pending) >= self.max_pending:
+                raise CompileQueueFullError(
+                    f"{len(self._pending)} structured output grammars are already compiling "
+                    f"(structured_output_max_pending_compiles={self.max_pending}); retry later")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.compile_threads, thread_name_prefix="kvserve-grammar")
             spec = params.json if params.kind == "json" else key[1]
             future = self._pool.submit(self._compile, params.kind, spec)
+            self._pending[future] = [key, 1]
             self._cache[key] = future
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
+        future.add_done_callback(self._done)
         return future
 
-    def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of ``params``, waiting for it; ValueError if it does not compile."""
-        return self.compile_async(params).result()
+    def release(self, future: Future) -> None:
+        """One waiter of ``future`` stopped waiting (its request ended); the last one cancels the
+        compile if it has not started (a started compile runs on: native code cannot be stopped)."""
+        with self._lock:
+            entry = self._pending.get(future)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                future.cancel()  # runs _done here (not started), or nothing (running: it runs on)
+
+    def _done(self, future: Future) -> None:
+        """A compile ended (done or cancelled): no longer pending; a cancelled one leaves the cache."""
+        with self._lock:
+            entry = self._pending.pop(future, None)
+            if entry is not None and future.cancelled() and self._cache.get(entry[0]) is future:
+                del self._cache[entry[0]]
+
+    @property
+    def num_pending(self) -> int:
+        """Compiles queued or running."""
+        return len(self._pending)
+
+    def compile(self, params: StructuredOutputsParams, timeout_s: float | None = None):
+        """The compiled grammar of ``params``, waiting for it (at most ``timeout_s``); ValueError if it
+        does not compile or exceeds a bound, or its compile takes longer than the timeout."""
+        timeout_s = self.compile_timeout_s if timeout_s is None else timeout_s
+        future = self.compile_async(params)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            raise ValueError(compile_timeout_message(timeout_s)) from None
+        finally:
+            self.release(future)
 
     def _compile(self, kind: str, spec):
         start = time.perf_counter()

@@ -342,6 +342,9 @@ def test_choice_regex_and_json_schema_constraints_hold(server):
     wait_until_clean(server.engine)
 
 
+TOO_DEEP = "the JSON schema for structured outputs nests more than structured_output_max_depth=64 levels deep."
+
+
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
 @pytest.mark.parametrize("params, words", [
     (dict(json_schema="{not json"), "json_schema is not valid JSON: "),
@@ -350,6 +353,9 @@ def test_choice_regex_and_json_schema_constraints_hold(server):
     (dict(regex="(unclosed"), "regex"),
     (dict(grammar="root ::= undefined_rule"), "grammar"),
     (dict(choice=pb.Choices()), "structured output choice must hold at least one string"),
+    # nested past structured_output_max_depth (64), and past what json.loads could read (a RecursionError)
+    (dict(json_schema='{"items": ' * 70 + "{}" + "}" * 70), TOO_DEEP),
+    (dict(json_schema='{"items": ' * 5000 + "{}" + "}" * 5000), TOO_DEEP),
 ])
 def test_constraints_that_do_not_compile_are_invalid_argument(server, method, params, words):
     with pytest.raises(grpc.RpcError) as info:

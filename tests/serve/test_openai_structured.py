@@ -230,6 +230,17 @@ def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(client, run
     assert choice.finish_reason == "length" and re.fullmatch(r"(ab)*a?", choice.text) and choice.text
 
 
+def deep(depth: int) -> dict:
+    """An object schema holding ``depth`` objects, one in the next (2 JSON levels each)."""
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+TOO_DEEP = "the JSON schema for structured outputs nests more than structured_output_max_depth=64 levels deep."
+
+
 @pytest.mark.parametrize("path, body, reason", [
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}}}, "'not'"),
@@ -239,6 +250,16 @@ def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(client, run
     ("/v1/completions", {"prompt": "x", "guided_grammar": "root ::= undefined_rule"}, "grammar"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "if": {}}}}]}, "'if'"),
+    # past the engine's bounds: the same sentence as on gRPC and the Python handle, whatever the field
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": deep(40)}}}, TOO_DEEP),
+    ("/v1/completions", {"prompt": "x", "guided_json": deep(300)}, TOO_DEEP),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": '{"items": ' * 5000 + "{}" + "}" * 5000}}, TOO_DEEP),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": deep(40)}}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     TOO_DEEP),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "maxLength": 100000}}}}, "structured_output_max_count=4096"),
 ])
 def test_constraints_that_do_not_compile_are_400s_and_leave_the_engine_clean(http, llm, run, path, body, reason):
     error = assert_error(run(http.post(path, json=body)), 400)
