@@ -102,6 +102,24 @@ def bad_text(rng: random.Random) -> Any:
     return rng.choice([f"a{LONE_SURROGATE}b", LONE_SURROGATE, "\udfff", 7, 1.5, {"t": "x"}, [1, 2]])
 
 
+def slow_schema(rng: random.Random) -> dict:
+    """A JSON schema past one of the engine's default structured-output bounds (each a 400): nested
+    deeper than 64 levels, a count keyword over 4096, a pattern repeating more, or text over 65536."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        schema: dict = {"type": "integer"}
+        for _ in range(rng.randint(33, 400)):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return schema
+    if kind == 1:
+        key = rng.choice(["maxLength", "minLength", "minItems", "maxItems", "minProperties", "maxProperties"])
+        return {"type": "string" if "Length" in key else "array" if "Items" in key else "object",
+                key: rng.randint(4097, 2**31 - 1)}
+    if kind == 2:
+        return {"type": "string", "pattern": "[a-z]{0,%d}" % rng.randint(4097, 10**9)}
+    return {"type": "string", "enum": [f"v{i}" for i in range(rng.randint(9000, 20000))]}
+
+
 def _completion_mutations(rng: random.Random) -> list[tuple[str, Callable[[dict], None]]]:
     def set_(key: str, value: Any) -> Callable[[dict], None]:
         return lambda body: body.__setitem__(key, value)
@@ -132,6 +150,10 @@ def _completion_mutations(rng: random.Random) -> list[tuple[str, Callable[[dict]
         ("prompt_logprobs over max_logprobs, or with stream", rng.choice([
             set_("prompt_logprobs", rng.randint(21, 10**6)), lambda body: body.update(prompt_logprobs=1, stream=True)])),
         ("priority other than 0", set_("priority", rng.choice([1, -1, 10**6]))),
+        ("a regex or grammar built to compile slowly (past the engine's structured_output bounds)", rng.choice([
+            set_("guided_regex", rng.choice(["a{%d}" % rng.randint(4097, 10**9), "(" * 70 + "a" + ")" * 70,
+                                             "[a-z]" * 20000])),
+            set_("guided_grammar", 'root ::= "a"{1,%d}' % rng.randint(4097, 10**9))])),
         ("truncate_prompt_tokens 0, below -1 or over the context", set_("truncate_prompt_tokens",
                                                                         rng.choice([0, -2, 10**6]))),
         ("logit_bias given", set_("logit_bias", rng.choice([{"5": 1.0}, {"5": NAN}, {"x": "y"}, [1]]))),
@@ -176,6 +198,8 @@ def _chat_mutations(rng: random.Random) -> list[tuple[str, Callable[[dict], None
                                                       [{"type": "function", "function": {"name": "f", "parameters": 5}}]]))),
         ("tool_choice without tools", set_("tool_choice", "required")),
         ("response_format malformed", set_("response_format", rng.choice([{"type": "xml"}, {"type": "json_schema"}]))),
+        ("a schema built to compile slowly (past the engine's structured_output bounds)",
+         set_("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": slow_schema(rng)}})),
         ("top_logprobs without logprobs", set_("top_logprobs", rng.randint(1, 20))),
         ("logprobs mistyped", set_("logprobs", rng.choice(["x", [1], {"a": 1}]))),
         ("stop with a lone surrogate or mistyped", set_("stop", bad_text(rng))),
