@@ -498,10 +498,11 @@ class ChatCompletionRequest(_SamplingRequest):
         functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools or ()]
         if choice == "required":
             schema = structured.required_calls_schema(functions, self.parallel_tool_calls)
-            constraints["tool_choice"] = StructuredOutputsParams(json=schema)
+            constraints["tool_choice"] = StructuredOutputsParams(json=structured.transportable(schema))
         elif isinstance(choice, NamedToolChoice):
             function = next(f for f in functions if f["name"] == choice.function.name)
-            constraints["tool_choice"] = StructuredOutputsParams(json=structured.tool_parameters(function))
+            constraints["tool_choice"] = StructuredOutputsParams(
+                json=structured.transportable(structured.tool_parameters(function)))
         return constraints
 
     def to_sampling_params(self) -> SamplingParams:

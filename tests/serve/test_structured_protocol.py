@@ -170,3 +170,32 @@ def test_tool_messages_reach_the_template_with_decoded_arguments():
             {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}},
             {"id": "call_2", "type": "function", "function": {"name": "time", "arguments": "not json"}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+
+
+def nested_objects(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("fields", [
+    dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": nested_objects(300)}}),
+    dict(structured_outputs={"json": nested_objects(300)}),
+    dict(tools=[{"type": "function", "function": {"name": "f", "parameters": nested_objects(300)}}],
+         tool_choice={"type": "function", "function": {"name": "f"}}),
+    dict(tools=[{"type": "function", "function": {"name": "f", "parameters": nested_objects(300)}}],
+         tool_choice="required"),
+])
+def test_a_schema_deeper_than_any_engine_allows_travels_as_text_the_engine_refuses(fields):
+    """600 levels: pickling the dict to the engine's process would raise RecursionError (a 500); as
+    text it travels, and the engine's depth bound refuses it with its usual sentence."""
+    import pickle
+
+    from engine.structured_bounds import StructuredOutputBounds
+
+    params = chat(**fields).output_constraint()
+    assert isinstance(params.json, str) and pickle.loads(pickle.dumps(params)).json == params.json
+    with pytest.raises(ValueError, match=r"^the JSON schema for structured outputs nests more than "
+                                         r"structured_output_max_depth=64 levels deep\.$"):
+        StructuredOutputBounds().check("json", params.json)
