@@ -1,0 +1,32 @@
+"""`python -m benchmarks.overload`, smoke-sized: a burst against one small replica, as a user runs it (a
+local Ray with this machine's CPUs). Every request is served or refused with 503 engine_overloaded,
+every refusal carries the Ingress's Server-Timing, and half of them are answered within 100 ms of
+their arrival at the Ingress (before the fix they waited for the whole burst's parsing: seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_burst_is_served_or_refused_at_once(model_dirs, tmp_path):
+    out = tmp_path / "overload.json"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.overload", "--model", model_dirs["llama"],
+                             "--requests", "60", "--rounds", "1", "--max-num-seqs", "2",
+                             "--max-waiting-requests", "2", "--out", str(out)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [burst] = json.loads(out.read_text())["rounds"]
+    assert set(burst["statuses"]) <= {"200", "503 engine_overloaded"}
+    assert sum(burst["statuses"].values()) == 60 and burst["served"]["count"] >= 4
+    refused = burst["statuses"].get("503 engine_overloaded", 0)
+    assert refused >= 1 and burst["refused"]["count"] == burst["refused_at_ingress"]["count"] == refused
+    assert burst["refused_at_ingress"]["p50_ms"] < 100
+    assert burst["version_burst"]["count"] == 60
