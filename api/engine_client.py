@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 class EngineClient(Protocol):
     """``generate`` streams DELTA outputs of one request (n samples inside it) and raises ValueError
     for bad input, EngineOverloadedError when the queue is full; ``abort`` ends a request (an unknown
-    or finished id is a no-op)."""
+    or finished id is a no-op). Callers pass ids they made themselves, never a client's; a client may
+    key the engine by ids of its own (the Serve Ingress's does, and ends a request with its stream)."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  cache_salt: str | None) -> AsyncIterator[RequestOutput]: ...
