@@ -112,8 +112,21 @@ def test_api_key_from_an_environment_variable(model_dirs, monkeypatch):
     monkeypatch.setenv("KVSERVE_TEST_KEY", "s3cret-key")
     app = build_app({"model": model_dirs["llama"], "api_key_env": "KVSERVE_TEST_KEY"})
     bound = app._bound_deployment
-    assert bound.init_args[4] is None and bound.init_args[-3:-1] == ("KVSERVE_TEST_KEY", None)
+    args = ingress_args(bound)
+    assert args["api_key"] is None and (args["api_key_env"], args["api_key_file"]) == ("KVSERVE_TEST_KEY", None)
     assert "s3cret-key" not in repr(bound.init_args) + repr(bound.init_kwargs)
+
+
+def ingress_args(bound) -> dict:
+    """The Ingress's bound arguments by name (positional and keyword alike), defaults filled in."""
+    import inspect
+
+    from serve_app import Ingress
+
+    init = inspect.unwrap(getattr(Ingress, "func_or_class", Ingress).__init__)
+    binding = inspect.signature(init).bind(None, *bound.init_args, **bound.init_kwargs)
+    binding.apply_defaults()
+    return binding.arguments
 
 
 def test_api_key_from_a_file(model_dirs, tmp_path):
@@ -129,7 +142,8 @@ def test_api_key_from_a_file(model_dirs, tmp_path):
     (tmp_path / "key").write_text("s3cret-key\n")
     assert api_key_from_file(str(tmp_path / "key")) == "s3cret-key"
     bound = build_app({"model": model_dirs["llama"], "api_key_file": str(tmp_path / "key")})._bound_deployment
-    assert bound.init_args[4] is None and bound.init_args[-2] == str(tmp_path / "key")
+    args = ingress_args(bound)
+    assert args["api_key"] is None and args["api_key_file"] == str(tmp_path / "key")
     assert "s3cret-key" not in repr(bound.init_args) + repr(bound.init_kwargs)
 
 
@@ -221,8 +235,9 @@ def test_model_as_a_repo_id_and_ray_serve_llm_model_loading_config(hf_cache, mod
 
 
 def test_tool_call_parser_reaches_the_ingress(model_dirs):
-    assert build_app({"model": model_dirs["llama"], "tool_call_parser": "hermes"})._bound_deployment.init_args[-1] == "hermes"
-    assert build_app({"model": model_dirs["llama"]})._bound_deployment.init_args[-1] == "generic"
+    hermes = build_app({"model": model_dirs["llama"], "tool_call_parser": "hermes"})._bound_deployment
+    assert ingress_args(hermes)["tool_call_parser"] == "hermes"
+    assert ingress_args(build_app({"model": model_dirs["llama"]})._bound_deployment)["tool_call_parser"] == "generic"
     with pytest.raises(ValidationError, match="tool_call_parser must be one of generic, hermes, llama3_json, got 'xml'"):
         AppArgs.model_validate({"tool_call_parser": "xml"})
 
