@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import time
 from collections import Counter
 
 from benchmarks.mixed_load import MixedLoad
 from benchmarks.chaos import Load, _outcomes, _settled_stats, _write, add_common_arguments, app_args, start_app, stop_app
+
+
+TIMELINE_S = 30.0
 
 
 def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,17 +83,21 @@ def rss_snapshot() -> dict[int, tuple[str, float]]:
 
 
 async def _soak(url: str, seconds: float, warmup: float, concurrency: int, max_tokens: int,
-                timeout: float, kind: str = "mixed") -> tuple[Load, dict, dict]:
+                timeout: float, kind: str = "mixed") -> tuple[Load, dict, dict, list]:
     load = (MixedLoad if kind == "mixed" else Load)(url, concurrency, max_tokens, timeout)
     load.start()
     try:
         await asyncio.sleep(warmup)
         baseline = rss_snapshot()
-        await asyncio.sleep(seconds)
-        end = rss_snapshot()
+        timeline = [(0.0, baseline)]  # every TIMELINE_S: whether a growth levels off or keeps on
+        start = time.monotonic()
+        while (left := seconds - (time.monotonic() - start)) > 0:
+            await asyncio.sleep(min(TIMELINE_S, left))
+            timeline.append((time.monotonic() - start, rss_snapshot()))
+        end = timeline[-1][1]
     finally:
         await load.stop()
-    return load, baseline, end
+    return load, baseline, end, timeline
 
 
 def run_soak(model: str | None = None, minutes: float = 10.0, warmup: float | None = None, concurrency: int = 4,
@@ -100,7 +108,8 @@ def run_soak(model: str | None = None, minutes: float = 10.0, warmup: float | No
     url = start_app(model, tensor_parallel_size, **app_args)
     try:
         print(f"[soak] {warmup:.0f}s of warm-up, then {seconds:.0f}s of load at concurrency {concurrency}", flush=True)
-        load, baseline, end = asyncio.run(_soak(url, seconds, warmup, concurrency, max_tokens, timeout, load_kind))
+        load, baseline, end, timeline = asyncio.run(
+            _soak(url, seconds, warmup, concurrency, max_tokens, timeout, load_kind))
         stats = _settled_stats()
     finally:
         stop_app()
@@ -108,7 +117,9 @@ def run_soak(model: str | None = None, minutes: float = 10.0, warmup: float | No
     for pid, (name, rss) in sorted(baseline.items()):
         if pid in end:
             processes.append({"pid": pid, "name": name, "rss_start_mb": round(rss, 1),
-                              "rss_end_mb": round(end[pid][1], 1), "growth_mb": round(end[pid][1] - rss, 1)})
+                              "rss_end_mb": round(end[pid][1], 1), "growth_mb": round(end[pid][1] - rss, 1),
+                              "rss_timeline_mb": [[round(t), round(snap[pid][1], 1)] for t, snap in timeline
+                                                  if pid in snap]})
     measured = [r for r in load.records if r.start >= load.records[0].start + warmup] if load.records else []
     report = {
         "minutes": minutes, "load": load_kind, "warmup_s": warmup, "concurrency": concurrency, "max_tokens": max_tokens,

@@ -38,6 +38,8 @@ def test_soak_reports_every_process_errors_and_blocks(model_dirs, tmp_path):
     for p in report["processes"]:
         assert p["rss_start_mb"] > 0  # each figure is rounded to 0.1 MB on its own
         assert abs(p["growth_mb"] - (p["rss_end_mb"] - p["rss_start_mb"])) <= 0.1 + 1e-9
+        # RSS every 30 s (one interval in a 6 s run): from the baseline to the end figure
+        assert p["rss_timeline_mb"] == [[0, p["rss_start_mb"]], [6, p["rss_end_mb"]]]
     assert report["max_growth_mb"] == max(p["growth_mb"] for p in report["processes"])
 
 
