@@ -41,7 +41,8 @@ from api.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY
 from api.errors import OpenAIError
 from api.http_app import build_openai_app, validation_error
 from api.metrics import prometheus_text
-from api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from api.openai_chat_protocol import ChatCompletionRequest
+from api.openai_protocol import CompletionRequest
 from api.openai_serving import OpenAIServing
 from cluster.app_args import ENGINE_KWARGS, AppArgs, _with_options, api_key_from_env, api_key_from_file
 from cluster.engine_gate import EngineGate, EngineWatch

@@ -40,7 +40,8 @@ from api.dashboard import dashboard_data, dashboard_page
 from api.errors import OpenAIError
 from api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from api.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from api.openai_chat_protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from api.openai_protocol import CompletionRequest
 from api.openai_serving import EventStream, OpenAIServing
 
 try:

@@ -32,8 +32,8 @@ from api.engine_client import AsyncLLMClient, EngineClient, EngineStreams
 from api.errors import OpenAIError
 from api.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, check_prompt_count
 from api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
-from api.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 NamedToolChoice, TokenizeRequest)
+from api.openai_chat_protocol import ChatCompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest
+from api.openai_protocol import CompletionRequest
 from api.openai_responses import (ChatChoice, ChatCompletionResponse, ChatCompletionStreamResponse,
                                   ChatResponseMessage, ChatStreamChoice, CompletionChoice,
                                   CompletionResponse, CompletionStreamResponse, DeltaFunctionCall,

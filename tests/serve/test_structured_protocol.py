@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from api.openai_chat_protocol import ChatCompletionRequest
+from api.openai_protocol import CompletionRequest
 from engine.sampling_params import StructuredOutputsParams
 
 USER = [{"role": "user", "content": "x"}]
