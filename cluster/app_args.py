@@ -41,6 +41,7 @@ ENGINE_KWARGS = frozenset({
     "max_consecutive_failed_steps",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
     "max_stop_token_ids", "max_stop_string_length", "max_stop_total_length", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
+    "max_prompt_logprobs_entries",
     "enforce_eager", "structured_output_max_length", "structured_output_max_depth", "structured_output_max_count",
     "structured_output_compile_timeout_s", "structured_output_max_pending_compiles",
     "structured_output_compile_threads",
@@ -136,6 +137,7 @@ class AppArgs(BaseModel):
     structured_output_compile_threads: int = 2
     max_stop_string_length: int = 1024  # characters of one stop string, and of all of them
     max_stop_total_length: int = 16384
+    max_prompt_logprobs_entries: int = 100_000  # prompt tokens x (prompt_logprobs + 1) of one request
     max_prompts_per_request: int = Field(256, ge=1)  # the Ingress's caps: prompts in one completion request,
     max_request_body_bytes: int = Field(32 * 2**20, ge=1)  # and the bytes of one HTTP request body
     num_replicas: int | None = None

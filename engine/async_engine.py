@@ -71,7 +71,7 @@ class AsyncLLM:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(sampling_params).__name__}")
         params = dataclasses.replace(sampling_params or SamplingParams(), output_kind=output_kind)
         text, token_ids = self.core.process_inputs(prompt)
-        self.core.check_sampling_params(params)
+        self.core.check_sampling_params(params, len(token_ids))
         if not request_id or request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is empty or already in use")
         if self.max_waiting_requests is not None and self.num_waiting_requests >= self.max_waiting_requests:

@@ -194,6 +194,10 @@ class EngineConfig:
     max_stop_string_length: int = 1024
     max_stop_total_length: int = 16384
     max_stop_token_ids: int = 1024
+    # prompt_logprobs' entries of one request, prompt tokens x (k + 1): they are held on the scheduler,
+    # travel as one object and are rendered on the Ingress's event loop. 100k entries are about 7 MB of
+    # JSON and well under a second to render: a 4761-token prompt at k = 20, a 100k-token one at k = 0
+    max_prompt_logprobs_entries: int = 100_000
     # what one structured-output constraint may ask the grammar compiler for (engine/structured_bounds.py):
     # characters of its text, nesting levels (at most STRUCTURED_OUTPUT_DEPTH_CEILING), count keywords and
     # {n,m} repetitions; a compile's time (its request fails past it), compiles queued or running at once
@@ -224,7 +228,7 @@ class EngineConfig:
             raise ValueError(f"max_consecutive_failed_steps must be an integer >= 2, got "
                              f"{self.max_consecutive_failed_steps!r}")
         for name in ("max_n", "max_logprobs", "max_stop_sequences", "max_stop_string_length", "max_stop_total_length",
-                     "max_stop_token_ids"):
+                     "max_stop_token_ids", "max_prompt_logprobs_entries"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "max_logprobs" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -112,10 +112,11 @@ class EngineCore(StepFailures):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         return text, token_ids
 
-    def check_sampling_params(self, params: SamplingParams) -> None:
+    def check_sampling_params(self, params: SamplingParams, num_prompt_tokens: int | None = None) -> None:
         """Raise ValueError for what SamplingParams cannot check alone: the engine's caps on what one
         request may ask for (``max_n``, ``max_logprobs``, ``max_stop_sequences``,
-        ``max_stop_token_ids``) and token ids outside the vocab (a stop token id past the vocab
+        ``max_stop_token_ids``; with the prompt's (truncated) length, ``max_prompt_logprobs_entries``:
+        computed once whatever ``n``) and token ids outside the vocab (a stop token id past the vocab
         would crash the sampler's min_tokens mask mid-step)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -131,6 +132,12 @@ class EngineCore(StepFailures):
         if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:
             raise ValueError(f"prompt_logprobs must be at most {max_logprobs} (the engine's max_logprobs), "
                              f"got {params.prompt_logprobs}")
+        if params.prompt_logprobs is not None and num_prompt_tokens is not None:
+            entries = num_prompt_tokens * (params.prompt_logprobs + 1)
+            if entries > cfg.max_prompt_logprobs_entries:
+                raise ValueError(f"prompt_logprobs may return at most {cfg.max_prompt_logprobs_entries} entries (the "
+                                 f"engine's max_prompt_logprobs_entries), got {num_prompt_tokens} prompt tokens x "
+                                 f"{params.prompt_logprobs + 1} = {entries}")
         if len(params.stop) > cfg.max_stop_sequences:
             raise ValueError(f"at most {cfg.max_stop_sequences} stop strings are allowed (the engine's "
                              f"max_stop_sequences), got {len(params.stop)}")
@@ -176,7 +183,7 @@ class EngineCore(StepFailures):
         request's grammar is compiled first (outside the lock; ``grammar``: already compiled, by
         ``structured_outputs.compile_async``); one that does not compile raises ValueError."""
         if isinstance(params, SamplingParams) and params.structured_outputs is not None and grammar is None:
-            self.check_sampling_params(params)
+            self.check_sampling_params(params, len(prompt_token_ids))
             grammar = self.structured_outputs.compile(params.structured_outputs)
         with self.lock:
             self._add_processed_request(request_id, prompt, prompt_token_ids, params, cache_salt, arrival_time,
@@ -188,7 +195,7 @@ class EngineCore(StepFailures):
             raise ValueError(f"a request id must be a non-empty string, got {request_id!r}")
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_sampling_params(params)
+        self.check_sampling_params(params, len(prompt_token_ids))
         # the samples' own ids: "<request id>#<index>" for every n (n = 1 too), so they never collide
         # across requests: the text after the last "#" is the index, the rest the request id
         sample_ids = [f"{request_id}#{i}" for i in range(params.n)]

@@ -60,6 +60,7 @@ def engine_config(
     max_stop_string_length: int = 1024,
     max_stop_total_length: int = 16384,
     max_stop_token_ids: int = 1024,
+    max_prompt_logprobs_entries: int = 100_000,
     structured_output_max_length: int = 65536,
     structured_output_max_depth: int = 64,
     structured_output_max_count: int = 4096,
@@ -90,6 +91,7 @@ def engine_config(
         max_stop_string_length=max_stop_string_length,
         max_stop_total_length=max_stop_total_length,
         max_stop_token_ids=max_stop_token_ids,
+        max_prompt_logprobs_entries=max_prompt_logprobs_entries,
         structured_output_max_length=structured_output_max_length,
         structured_output_max_depth=structured_output_max_depth,
         structured_output_max_count=structured_output_max_count,
@@ -136,8 +138,8 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         processed = [self.core.process_inputs(self._prompt_input(p)) for p in prompts]
-        for p in params:
-            self.core.check_sampling_params(p)
+        for p, (_, token_ids) in zip(params, processed):
+            self.core.check_sampling_params(p, len(token_ids))
         # constraints compile together (a thread pool, the cache shares repeats); any that does not
         # compile raises ValueError here, before anything is added
         compiling = [self.core.structured_outputs.compile_async(p.structured_outputs) if p.structured_outputs

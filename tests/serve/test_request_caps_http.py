@@ -1,7 +1,7 @@
 """The caps on one HTTP request and the fields that used to be accepted and ignored: prompts per
 completion request, body bytes (413 before parsing, by Content-Length or as a chunked body grows),
 max_logprobs raised above 20, stop string lengths, priority, truncate_prompt_tokens and prompt_logprobs
-(vLLM's shape, equal to the engine's values)."""
+(vLLM's shape, equal to the engine's values; their entries capped by max_prompt_logprobs_entries)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from engine import AsyncLLM, SamplingParams, engine_config
 from engine.tokenizer import Tokenizer
 from tests.serve.openai_harness import API_KEY, MODEL, assert_error, model_dir, offline, run  # noqa: F401
 
-MAX_PROMPTS, MAX_BODY, MAX_LOGPROBS = 3, 4096, 30
+MAX_PROMPTS, MAX_BODY, MAX_LOGPROBS, MAX_PL_ENTRIES = 3, 4096, 30, 400
 
 
 @pytest.fixture(scope="module")
 def llm(model_dir, run):  # noqa: F811 - after `run`: shut down before the loop closes
-    engine = AsyncLLM(engine_config(model_dir, num_kv_blocks=400, max_logprobs=MAX_LOGPROBS))
+    engine = AsyncLLM(engine_config(model_dir, num_kv_blocks=400, max_logprobs=MAX_LOGPROBS,
+                                  max_prompt_logprobs_entries=MAX_PL_ENTRIES))
     yield engine
     engine.shutdown()
 
@@ -126,6 +127,19 @@ def test_prompt_logprobs_in_vllm_shape(http, run, offline):  # noqa: F811
     error = assert_error(complete(http, run, prompt="x", prompt_logprobs=1, stream=True), 400)
     assert "prompt_logprobs are not available when stream is true" in error["message"]
     assert_error(complete(http, run, prompt="x", prompt_logprobs=31), 400, "prompt_logprobs")
+
+
+def test_prompt_logprobs_entries_are_capped(http, run):
+    prompt = [(7 * i) % 200 + 5 for i in range(150)]
+    error = assert_error(complete(http, run, prompt=prompt[:101], prompt_logprobs=3, max_tokens=1), 400)
+    assert error["message"] == ("prompt_logprobs may return at most 400 entries (the engine's "
+                                "max_prompt_logprobs_entries), got 101 prompt tokens x 4 = 404")
+    body = complete(http, run, prompt=prompt[:100], prompt_logprobs=3, max_tokens=1, n=2).json()  # at the cap
+    assert [len(c["prompt_logprobs"]) for c in body["choices"]] == [100, 100]
+    assert all(len(e) in (4, 5) for e in body["choices"][0]["prompt_logprobs"][1:])
+    # truncate_prompt_tokens first: the engine counts the prompt it is given
+    body = complete(http, run, prompt=prompt, truncate_prompt_tokens=100, prompt_logprobs=3, max_tokens=1).json()
+    assert body["usage"]["prompt_tokens"] == 100 and len(body["choices"][0]["prompt_logprobs"]) == 100
 
 
 def test_the_app_arguments_carry_the_caps():
