@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from api.openai_responses import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs,
-                                  TopLogprob)
+from api.openai_responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprobs, TopLogprob
 from engine.messages import CompletionOutput
 from engine.messages import PromptLogprobs as EnginePromptLogprobs
 from engine.tokenizer import Tokenizer
@@ -19,11 +18,11 @@ class TokenTexts:
     """token id -> decoded text, cached."""
 
     def __init__(self, tokenizer: Tokenizer, cache_size: int = 1 << 16) -> None:
-        self._text = lru_cache(maxsize=cache_size)(
+        self.text = lru_cache(maxsize=cache_size)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
     def __call__(self, token_id: int) -> str:
-        return self._text(token_id)
+        return self.text(token_id)
 
 
 def _clamp(logprob: float) -> float:
@@ -66,9 +65,15 @@ def chat_logprobs(texts: TokenTexts, sample: CompletionOutput, num_top: int) -> 
     return ChatLogprobs(content=content)
 
 
+def _by_rank(item: tuple[int, tuple[float, int]]) -> int:
+    return item[1][1]
+
+
 def prompt_logprobs(texts: TokenTexts, entries: EnginePromptLogprobs) -> PromptLogprobs:
     """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then token id -> logprob, rank
-    and decoded token (the top k and the prompt's own token, most likely first)."""
+    and decoded token (the top k and the prompt's own token, most likely first). Plain dicts, built on
+    the Ingress's event loop: up to the engine's max_prompt_logprobs_entries of them."""
+    text, floor = texts.text, _MIN_LOGPROB
     return [None if entry is None else {
-        token_id: PromptLogprob(logprob=_clamp(logprob), rank=rank, decoded_token=texts(token_id))
-        for token_id, (logprob, rank) in sorted(entry.items(), key=lambda item: item[1][1])} for entry in entries]
+        token_id: {"logprob": max(logprob, floor), "rank": rank, "decoded_token": text(token_id)}
+        for token_id, (logprob, rank) in sorted(entry.items(), key=_by_rank)} for entry in entries]

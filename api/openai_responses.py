@@ -12,6 +12,7 @@ import time
 from typing import Literal
 
 from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
 
 from engine.messages import RequestOutput
 
@@ -65,12 +66,13 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class PromptLogprob(BaseModel):
-    """vLLM's entry of a prompt token's ``prompt_logprobs`` dict (keyed by token id)."""
+class PromptLogprob(TypedDict):
+    """vLLM's entry of a prompt token's ``prompt_logprobs`` dict (keyed by token id): a plain dict, as
+    a response may hold max_prompt_logprobs_entries of them (api/openai_logprobs.prompt_logprobs)."""
 
     logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+    rank: int
+    decoded_token: str
 
 
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
