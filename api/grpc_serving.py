@@ -172,10 +172,12 @@ def _completion_to_proto(c: CompletionOutput, num_top_logprobs: int) -> pb.Compl
 
 async def _engine_outputs(client: EngineClient, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
-    """The request's outputs until it finishes. If the consumer leaves first (closes this generator,
-    or is cancelled while it waits), the request is aborted. When the engine ends the stream itself
-    (finished, or raised: a bad request, a duplicate id) nothing is aborted: an abort of a request id
-    the engine refused would hit another request that holds it."""
+    """The request's outputs until it finishes; ``request_id`` is one this server made
+    (``new_request_id``), never the client's. If the consumer leaves first (closes this generator, or
+    is cancelled while it waits), the stream is closed and ``client.abort`` called: in process
+    (``AsyncLLMClient``) that aborts the engine request; behind Serve (``ServeEngineClient``) it does
+    nothing, as closing the stream ends the request. When the engine ends the stream itself
+    (finished, or raised: a bad request, overload) there is nothing to abort."""
     stream = client.generate(request_id, prompt_token_ids, params, cache_salt)
     ended = False
     try:
