@@ -137,7 +137,7 @@ class AppArgs(BaseModel):
     structured_output_compile_threads: int = 2
     max_stop_string_length: int = 1024  # characters of one stop string, and of all of them
     max_stop_total_length: int = 16384
-    max_prompt_logprobs_entries: int = 100_000  # prompt tokens x (prompt_logprobs + 1) of one request
+    max_prompt_logprobs_entries: int = 100_000  # prompt tokens x (prompt_logprobs + 1) x n
     max_prompts_per_request: int = Field(256, ge=1)  # the Ingress's caps: prompts in one completion request,
     max_request_body_bytes: int = Field(32 * 2**20, ge=1)  # and the bytes of one HTTP request body
     num_replicas: int | None = None

@@ -194,7 +194,8 @@ class EngineConfig:
     max_stop_string_length: int = 1024
     max_stop_total_length: int = 16384
     max_stop_token_ids: int = 1024
-    # prompt_logprobs' entries of one request, prompt tokens x (k + 1): they are held on the scheduler,
+    # prompt_logprobs' entries of one request, prompt tokens x (k + 1) x n (computed once, but a
+    # completion response repeats them in each of its n choices): they are held on the scheduler,
     # travel as one object and are rendered on the Ingress's event loop. 100k entries are about 7 MB of
     # JSON and well under a second to render: a 4761-token prompt at k = 20, a 100k-token one at k = 0
     max_prompt_logprobs_entries: int = 100_000

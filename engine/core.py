@@ -115,8 +115,8 @@ class EngineCore(StepFailures):
     def check_sampling_params(self, params: SamplingParams, num_prompt_tokens: int | None = None) -> None:
         """Raise ValueError for what SamplingParams cannot check alone: the engine's caps on what one
         request may ask for (``max_n``, ``max_logprobs``, ``max_stop_sequences``,
-        ``max_stop_token_ids``; with the prompt's (truncated) length, ``max_prompt_logprobs_entries``:
-        computed once whatever ``n``) and token ids outside the vocab (a stop token id past the vocab
+        ``max_stop_token_ids``; with the prompt's (truncated) length, ``max_prompt_logprobs_entries``,
+        times ``n``) and token ids outside the vocab (a stop token id past the vocab
         would crash the sampler's min_tokens mask mid-step)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -133,11 +133,13 @@ class EngineCore(StepFailures):
             raise ValueError(f"prompt_logprobs must be at most {max_logprobs} (the engine's max_logprobs), "
                              f"got {params.prompt_logprobs}")
         if params.prompt_logprobs is not None and num_prompt_tokens is not None:
-            entries = num_prompt_tokens * (params.prompt_logprobs + 1)
+            # times n: computed once, but a completion response repeats them in each of its n choices
+            entries = num_prompt_tokens * (params.prompt_logprobs + 1) * params.n
             if entries > cfg.max_prompt_logprobs_entries:
+                times_n = f" x n={params.n}" if params.n > 1 else ""
                 raise ValueError(f"prompt_logprobs may return at most {cfg.max_prompt_logprobs_entries} entries (the "
                                  f"engine's max_prompt_logprobs_entries), got {num_prompt_tokens} prompt tokens x "
-                                 f"{params.prompt_logprobs + 1} = {entries}")
+                                 f"{params.prompt_logprobs + 1}{times_n} = {entries}")
         if len(params.stop) > cfg.max_stop_sequences:
             raise ValueError(f"at most {cfg.max_stop_sequences} stop strings are allowed (the engine's "
                              f"max_stop_sequences), got {len(params.stop)}")

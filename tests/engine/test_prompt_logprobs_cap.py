@@ -1,5 +1,5 @@
 """max_prompt_logprobs_entries: prompt tokens x (prompt_logprobs + 1) of one request, refused at admission
-with one sentence naming the setting (n > 1 does not multiply it: the first sample computes them once)."""
+with one sentence naming the setting; times n, as a completion response repeats them in each choice."""
 
 from __future__ import annotations
 
@@ -34,8 +34,12 @@ def test_refused_at_admission_with_nothing_registered(model_dirs):
     assert str(info.value) == ("prompt_logprobs may return at most 30 entries (the engine's "
                                "max_prompt_logprobs_entries), got 11 prompt tokens x 3 = 33")
     assert not core.outputs.requests and not core.scheduler.requests
-    # at the cap, with n = 2: accepted (computed once, by the first sample), and served
-    core.add_request("b", list(range(5, 15)), SamplingParams(max_tokens=1, n=2, prompt_logprobs=2))
+    # times n: 6 tokens x 3 x 2 = 36 refused, 5 x 3 x 2 = 30 (the cap) accepted and served
+    with pytest.raises(ValueError) as info:
+        core.add_request("b", list(range(5, 11)), SamplingParams(max_tokens=1, n=2, prompt_logprobs=2))
+    assert str(info.value) == ("prompt_logprobs may return at most 30 entries (the engine's "
+                               "max_prompt_logprobs_entries), got 6 prompt tokens x 3 x n=2 = 36")
+    core.add_request("b", list(range(5, 10)), SamplingParams(max_tokens=1, n=2, prompt_logprobs=2))
     assert [len(s.token_ids) for s in run(core)["b"].outputs] == [1, 1]
 
 

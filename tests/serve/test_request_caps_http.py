@@ -134,9 +134,15 @@ def test_prompt_logprobs_entries_are_capped(http, run):
     error = assert_error(complete(http, run, prompt=prompt[:101], prompt_logprobs=3, max_tokens=1), 400)
     assert error["message"] == ("prompt_logprobs may return at most 400 entries (the engine's "
                                 "max_prompt_logprobs_entries), got 101 prompt tokens x 4 = 404")
-    body = complete(http, run, prompt=prompt[:100], prompt_logprobs=3, max_tokens=1, n=2).json()  # at the cap
-    assert [len(c["prompt_logprobs"]) for c in body["choices"]] == [100, 100]
+    body = complete(http, run, prompt=prompt[:100], prompt_logprobs=3, max_tokens=1).json()  # at the cap
+    assert len(body["choices"][0]["prompt_logprobs"]) == 100
     assert all(len(e) in (4, 5) for e in body["choices"][0]["prompt_logprobs"][1:])
+    # n = 2: each choice carries them, so they count twice
+    error = assert_error(complete(http, run, prompt=prompt[:51], prompt_logprobs=3, max_tokens=1, n=2), 400)
+    assert error["message"] == ("prompt_logprobs may return at most 400 entries (the engine's "
+                                "max_prompt_logprobs_entries), got 51 prompt tokens x 4 x n=2 = 408")
+    body = complete(http, run, prompt=prompt[:50], prompt_logprobs=3, max_tokens=1, n=2).json()
+    assert [len(c["prompt_logprobs"]) for c in body["choices"]] == [50, 50]
     # truncate_prompt_tokens first: the engine counts the prompt it is given
     body = complete(http, run, prompt=prompt, truncate_prompt_tokens=100, prompt_logprobs=3, max_tokens=1).json()
     assert body["usage"]["prompt_tokens"] == 100 and len(body["choices"][0]["prompt_logprobs"]) == 100
