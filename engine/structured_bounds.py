@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import re
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 
 # JSON Schema keywords whose value is a count the grammar spells out (its size or compile time grows
 # with the value)
@@ -37,8 +37,9 @@ class StructuredOutputBounds:
         elif kind in ("regex", "grammar"):
             what = "regex" if kind == "regex" else "grammar"
             self._check_length(len(spec), f"the {what}")
-            self._check_brackets(spec, f"the {what}")
-            self._check_repeats(spec, f"the {what}")
+            structure = structure_of(spec, grammar=kind == "grammar")  # no classes, no quoted literals
+            self._check_brackets(structure, f"the {what}")
+            self._check_repeats(structure, f"the {what}")
         elif kind == "choice":
             self._check_length(sum(len(c) for c in spec), "the choices")
 
@@ -82,14 +83,16 @@ class StructuredOutputBounds:
                 raise ValueError(f"JSON schema keyword {key!r} is {value}, more than structured outputs allow "
                                  f"(structured_output_max_count={self.max_count}).")
         for pattern in patterns:
-            self._check_repeats(pattern, "a JSON schema 'pattern'")
+            self._check_repeats(structure_of(pattern, grammar=False), "a JSON schema 'pattern'")
         self._check_length(len(json.dumps(spec)), "the JSON schema")
 
     def _check_repeats(self, text: str, what: str) -> None:
         for match in _REPEAT.finditer(text):
             for bound in match.groups():
-                if bound and int(bound) > self.max_count:
-                    raise ValueError(f"{what} for structured outputs repeats {{{match.group(0)[1:-1]}}} times, "
+                # digits compared first: int() of a 5000-digit count raises Python's own limit error
+                if bound and (len(bound.lstrip("0")) > len(str(self.max_count)) or int(bound) > self.max_count):
+                    text = match.group(0) if len(match.group(0)) <= 32 else f"{{{bound[:12]}...}} ({len(bound)} digits)"
+                    raise ValueError(f"{what} for structured outputs repeats {text} times, "
                                      f"more than structured_output_max_count={self.max_count} allows.")
 
     def _check_brackets(self, text: str, what: str) -> None:
@@ -106,6 +109,33 @@ class StructuredOutputBounds:
                     raise self._too_deep(what)
             elif c in ")]":
                 depth = max(0, depth - 1)
+
+
+def structure_of(text: str, *, grammar: bool) -> str:
+    """``text`` (a regex or a grammar) with each character class ``[...]`` (escapes and a leading
+    ``]`` or ``^]`` inside it included) and, in a grammar, each quoted literal ``"..."`` replaced by
+    one ``x``: what is left is what nests and repeats (``[(]`` is one character, not a group)."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            out.append(text[i:i + 2])
+            i += 2
+        elif c == "[" or (grammar and c == '"'):
+            close = "]" if c == "[" else '"'
+            i += 1
+            if c == "[":
+                i += text.startswith("^", i)
+                i += text.startswith("]", i)  # a leading ] is a member, not the end
+            while i < n and text[i] != close:
+                i += 2 if text[i] == "\\" else 1
+            i += 1
+            out.append("x")
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
 
 
 def json_text_depth(text: str) -> int:
