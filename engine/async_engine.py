@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +24,8 @@ from engine.core import EngineCore, EngineDeadError, EngineOverloadedError, Prom
 from engine.messages import RequestOutput, merge_outputs
 from engine.prefix_report import PrefixReport
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.structured_output import CompileQueueFullError, compile_timeout_message
+from engine.structured_output import (CompileQueueFullError, compile_queue_message, compile_started_at,
+                                      compile_timeout_message)
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,8 @@ ADD_FAILED = "the engine failed while admitting this request"
 
 class AsyncLLM:
     """``max_waiting_requests``: requests admitted but not yet running beyond which ``generate``
-    refuses new ones with EngineOverloadedError (None: unbounded)."""
+    refuses new ones with EngineOverloadedError (None: unbounded). Requests waiting for their grammar
+    to compile are counted apart, against the same number: at most ``max_waiting_requests`` of them."""
 
     def __init__(self, config: EngineConfig, core: EngineCore | None = None,
                  max_waiting_requests: int | None = None) -> None:
@@ -43,7 +47,8 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self._sinks: dict[str, Sink] = {}
         self._commands: list[tuple] = []
-        # admitted requests whose grammar is still compiling (not yet queued): id -> (future, timeout timer)
+        # admitted requests whose grammar is still compiling (not yet queued):
+        # id -> (future, timer, the request's add command, when it was submitted (time.monotonic()))
         self._compiling: dict[str, tuple] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -83,6 +88,10 @@ class AsyncLLM:
             # (a new schema never stalls the step loop), at once on a cache hit. Pending compiles have
             # their own bound (structured_output_max_pending_compiles), not max_waiting_requests
             manager = self.core.structured_outputs
+            if self.max_waiting_requests is not None and len(self._compiling) >= self.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"{len(self._compiling)} requests are already waiting for their structured output grammar "
+                    f"(max_waiting_requests={self.max_waiting_requests}); retry later")
             try:
                 future = manager.compile_async(params.structured_outputs)  # ValueError past a bound
             except CompileQueueFullError as exc:
@@ -93,25 +102,27 @@ class AsyncLLM:
             else:
                 self._sinks[request_id] = sink
                 loop = asyncio.get_running_loop()
-                timer = loop.call_later(manager.compile_timeout_s, self._compile_timed_out, request_id)
-                self._compiling[request_id] = (future, timer)
-                future.add_done_callback(lambda f: self._wake(loop, command, f))
+                timer = loop.call_later(manager.compile_timeout_s, self._check_compile, request_id)
+                self._compiling[request_id] = (future, timer, command, time.monotonic())
+                # the callback holds the request's id only: a cached grammar's future keeps its callbacks
+                future.add_done_callback(functools.partial(self._wake, loop, request_id))
                 return
         self._sinks[request_id] = sink
         self._submit(command)
 
-    def _wake(self, loop, command: tuple, future) -> None:
+    def _wake(self, loop, request_id: str, future) -> None:
         """On the compiling thread: hand the finished compile to the event loop (gone: nobody waits)."""
         try:
-            loop.call_soon_threadsafe(self._compiled, command, future)
+            loop.call_soon_threadsafe(self._compiled, request_id, future)
         except RuntimeError:
             pass  # the loop closed
 
-    def _compiled(self, command: tuple, future) -> None:
+    def _compiled(self, request_id: str, future) -> None:
         """A grammar finished compiling (on the event loop): queue its request, or refuse it."""
-        request_id = command[1]
-        if self._compiling.get(request_id, (None,))[0] is not future:
+        entry = self._compiling.get(request_id)
+        if entry is None or entry[0] is not future:
             return  # aborted or timed out meanwhile
+        command = entry[2]
         self._end_compile(request_id)
         if future.cancelled():  # the engine shut down
             self._deliver(request_id, EngineDeadError("the engine shut down"))
@@ -165,21 +176,36 @@ class AsyncLLM:
 
     def _end_compile(self, request_id: str) -> None:
         """A compiling request stops waiting for its grammar (compiled, timed out or aborted)."""
-        future, timer = self._compiling.pop(request_id)
+        future, timer, _, _ = self._compiling.pop(request_id)
         timer.cancel()
         self.core.structured_outputs.release(future)
 
-    def _compile_timed_out(self, request_id: str) -> None:
-        if request_id in self._compiling:
-            self._end_compile(request_id)
-            self._deliver(request_id, ValueError(compile_timeout_message(
-                self.core.structured_outputs.compile_timeout_s)))
+    def _check_compile(self, request_id: str) -> None:
+        """The timer of a compiling request: its compile may take ``compile_timeout_s`` from when it
+        started (past it: the constraint's fault, 400); one that has not started within that long
+        since the request came is refused as overload (503), the grammar threads being busy."""
+        entry = self._compiling.get(request_id)
+        if entry is None:
+            return
+        manager = self.core.structured_outputs
+        timeout_s, started, now = manager.compile_timeout_s, compile_started_at(entry[0]), time.monotonic()
+        if started is None and now - entry[3] >= timeout_s:
+            error = EngineOverloadedError(compile_queue_message(timeout_s, manager.compile_threads))
+        elif started is not None and now - started >= timeout_s:
+            error = ValueError(compile_timeout_message(timeout_s))
+        else:  # not yet: look again when it would be due
+            due = (entry[3] if started is None else started) + timeout_s
+            timer = asyncio.get_running_loop().call_later(max(0.0, due - now), self._check_compile, request_id)
+            self._compiling[request_id] = (entry[0], timer, entry[2], entry[3])
+            return
+        self._end_compile(request_id)
+        self._deliver(request_id, error)
 
     @property
     def num_waiting_requests(self) -> int:
         """Admitted requests that will have to wait: those not running yet (queued here or in the
         scheduler) beyond the free places of the running batch."""
-        scheduler = self.core.scheduler  # requests still compiling their grammar are not counted
+        scheduler = self.core.scheduler  # requests still compiling their grammar are counted apart
         adds = sum(1 for c in self._commands if c[0] == "add")
         free = max(0, scheduler.max_num_seqs - len(scheduler.running))
         return max(0, adds + len(scheduler.waiting) - free)

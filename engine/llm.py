@@ -140,11 +140,7 @@ class LLM:
         processed = [self.core.process_inputs(self._prompt_input(p)) for p in prompts]
         for p, (_, token_ids) in zip(params, processed):
             self.core.check_sampling_params(p, len(token_ids))
-        # constraints compile together (a thread pool, the cache shares repeats); any that does not
-        # compile raises ValueError here, before anything is added
-        compiling = [self.core.structured_outputs.compile_async(p.structured_outputs) if p.structured_outputs
-                     else None for p in params]
-        grammars = [None if f is None else f.result() for f in compiling]
+        grammars = self._compile_all(params)
         request_ids = [str(next(self._ids)) for _ in prompts]
         for request_id, (text, token_ids), p, grammar in zip(request_ids, processed, params, grammars):
             self.core.add_processed_request(request_id, text, token_ids, p, cache_salt=cache_salt, grammar=grammar)
@@ -178,6 +174,28 @@ class LLM:
             tokenizer.apply_chat_template(c, tools=tools, chat_template_kwargs=chat_template_kwargs),
             add_special_tokens=False)} for c in conversations]
         return self.generate(prompts, sampling_params)
+
+    def _compile_all(self, params: list[SamplingParams]) -> list:
+        """The grammars of ``params`` (None where unconstrained). They compile together (a thread
+        pool; the cache shares repeats) in windows of ``structured_output_max_pending_compiles``, so any
+        number of distinct constraints fits the pending bound; each waits at most
+        ``structured_output_compile_timeout_s`` from its compile's start. Any that does not compile
+        raises ValueError here, before anything is added."""
+        manager = self.core.structured_outputs
+        constrained = [i for i, p in enumerate(params) if p.structured_outputs]
+        window = manager.max_pending or max(1, len(constrained))
+        grammars: list = [None] * len(params)
+        for start in range(0, len(constrained), window):
+            futures = []
+            try:
+                for i in constrained[start:start + window]:
+                    futures.append((i, manager.compile_async(params[i].structured_outputs)))
+                for i, future in futures:
+                    grammars[i] = manager.result(future)
+            finally:
+                for _, future in futures:
+                    manager.release(future)
+        return grammars
 
     @staticmethod
     def _prompt_input(prompt: Prompt) -> str | list[int]:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError  # not the builtin TimeoutError on 3.10
 
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_bounds import StructuredOutputBounds
@@ -59,6 +60,17 @@ def cache_key(params: StructuredOutputsParams) -> tuple:
     if kind == "json_object":
         return kind, True
     return kind, getattr(params, kind)
+
+
+def compile_queue_message(timeout_s: float, threads: int) -> str:
+    """A compile that never started within the timeout: the engine is busy (503), not the client's fault."""
+    return (f"the structured output constraint waited more than structured_output_compile_timeout_s={timeout_s:g} s "
+            f"for one of the structured_output_compile_threads={threads} compile threads; retry later.")
+
+
+def compile_started_at(future: Future) -> float | None:
+    """When the compile of ``future`` started (``time.monotonic()``); None while it is queued."""
+    return future.compile_started[0]
 
 
 def compile_timeout_message(timeout_s: float) -> str:
@@ -133,7 +145,9 @@ class StructuredOutputManager:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.compile_threads, thread_name_prefix="kvserve-grammar")
             spec = params.json if params.kind == "json" else key[1]
-            future = self._pool.submit(self._compile, params.kind, spec)
+            started: list = [None]  # the compile thread writes its start time here
+            future = self._pool.submit(self._compile, params.kind, spec, started)
+            future.compile_started = started
             self._pending[future] = [key, 1]
             self._cache[key] = future
             while len(self._cache) > self.max_cached:
@@ -165,18 +179,32 @@ class StructuredOutputManager:
         return len(self._pending)
 
     def compile(self, params: StructuredOutputsParams, timeout_s: float | None = None):
-        """The compiled grammar of ``params``, waiting for it (at most ``timeout_s``); ValueError if it
-        does not compile or exceeds a bound, or its compile takes longer than the timeout."""
-        timeout_s = self.compile_timeout_s if timeout_s is None else timeout_s
+        """The compiled grammar of ``params``, waiting for it (at most ``timeout_s`` from when its
+        compile starts); ValueError if it does not compile or exceeds a bound, or its compile takes
+        longer than the timeout."""
         future = self.compile_async(params)
         try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            raise ValueError(compile_timeout_message(timeout_s)) from None
+            return self.result(future, timeout_s)
         finally:
             self.release(future)
 
-    def _compile(self, kind: str, spec):
+    def result(self, future: Future, timeout_s: float | None = None):
+        """Wait for ``future`` (from ``compile_async``) and return its grammar; the timeout (default
+        ``compile_timeout_s``) counts from when its compile started, not the time queued before."""
+        timeout_s = self.compile_timeout_s if timeout_s is None else timeout_s
+        if timeout_s is None:
+            return future.result()
+        while compile_started_at(future) is None and not future.done():
+            time.sleep(0.005)  # queued behind other compiles
+        started = compile_started_at(future)
+        remaining = timeout_s if started is None else started + timeout_s - time.monotonic()
+        try:
+            return future.result(max(0.0, remaining))
+        except FutureTimeoutError:
+            raise ValueError(compile_timeout_message(timeout_s)) from None
+
+    def _compile(self, kind: str, spec, started: list):
+        started[0] = time.monotonic()
         start = time.perf_counter()
         try:
             return self.backend.compile(kind, spec)
