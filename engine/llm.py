@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.core import EngineCore
 from engine.messages import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import CompileQueueFullError
 
 Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
 
@@ -177,25 +179,44 @@ class LLM:
 
     def _compile_all(self, params: list[SamplingParams]) -> list:
         """The grammars of ``params`` (None where unconstrained). They compile together (a thread
-        pool; the cache shares repeats) in windows of ``structured_output_max_pending_compiles``, so any
-        number of distinct constraints fits the pending bound; each waits at most
-        ``structured_output_compile_timeout_s`` from its compile's start. Any that does not compile
-        raises ValueError here, before anything is added."""
+        pool; the cache shares repeats) up to ``structured_output_max_pending_compiles`` at a time:
+        when the bound is reached, those started are waited for before more start, so any number of
+        distinct constraints fits it. Each waits at most ``structured_output_compile_timeout_s`` from
+        its compile's start. Any that does not compile raises ValueError here, before anything is added."""
         manager = self.core.structured_outputs
-        constrained = [i for i, p in enumerate(params) if p.structured_outputs]
-        window = manager.max_pending or max(1, len(constrained))
         grammars: list = [None] * len(params)
-        for start in range(0, len(constrained), window):
-            futures = []
-            try:
-                for i in constrained[start:start + window]:
-                    futures.append((i, manager.compile_async(params[i].structured_outputs)))
-                for i, future in futures:
-                    grammars[i] = manager.result(future)
-            finally:
-                for _, future in futures:
-                    manager.release(future)
+        started: list[tuple[int, object]] = []
+        try:
+            for i, p in enumerate(params):
+                if not p.structured_outputs:
+                    continue
+                deadline = None
+                while True:
+                    try:
+                        started.append((i, manager.compile_async(p.structured_outputs)))
+                        break
+                    except CompileQueueFullError:
+                        if started:  # wait for ours, then go on
+                            self._wait_all(started, grammars)
+                            continue
+                        # full of compiles that outlived their callers (timed out): wait for a place
+                        deadline = deadline or time.monotonic() + (manager.compile_timeout_s or 0)
+                        if time.monotonic() >= deadline:
+                            raise
+                        time.sleep(0.01)
+            self._wait_all(started, grammars)
+        finally:
+            for _, future in started:
+                manager.release(future)
         return grammars
+
+    def _wait_all(self, started: list, grammars: list) -> None:
+        manager = self.core.structured_outputs
+        while started:
+            i, future = started[0]
+            grammars[i] = manager.result(future)
+            started.pop(0)
+            manager.release(future)
 
     @staticmethod
     def _prompt_input(prompt: Prompt) -> str | list[int]:

@@ -134,3 +134,19 @@ def test_offline_generate_compiles_more_distinct_constraints_than_the_pending_bo
         texts = [o.outputs[0].text for o in outputs]
         assert all(any(c.startswith(t) for c in cs) for t, cs in zip(texts, choices))
         assert llm.core.structured_outputs.num_pending == 0 and llm.core.structured_outputs.num_compiled == 70
+
+
+def test_offline_compiles_wait_for_a_place_left_by_a_compile_that_outlived_its_call(model_dirs):
+    core = make_core(model_dirs, FakeExecutor(), structured_output_compile_timeout_s=0.3,
+                     structured_output_max_pending_compiles=2)
+    llm = object.__new__(LLM)
+    llm.core = core
+    slow_compiles(core.structured_outputs, {"slow": 0.6})
+    with pytest.raises(ValueError, match="did not compile within structured_output_compile_timeout_s=0.3 s"):
+        llm._compile_all([SamplingParams(structured_outputs=SO(choice=("slow", "no")))])
+    assert core.structured_outputs.num_pending == 1  # it runs on, holding one of the 2 places
+    params = [SamplingParams(structured_outputs=SO(choice=(f"yes{i}", f"no{i}"))) for i in range(3)]
+    grammars = llm._compile_all([SamplingParams()] + params)
+    assert grammars[0] is None and all(g is not None for g in grammars[1:])
+    # they went on beside the one still running (3 compiled, it still pending), never past the bound
+    assert (core.structured_outputs.num_compiled, core.structured_outputs.num_pending) == (3, 1)
