@@ -20,17 +20,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = 6  # a step failed on this request alone
 
     @property
-    def needs_prompt_logprobs(self) -> bool:
-        """Whether prompt logprobs are still to be computed (a prefix hit would skip their logits)."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
-
-    def add_prompt_logprobs(self, first: int, entries: list) -> None:
-        """Entries for prompt tokens ``first + 1``, ...; positions already held (a recomputation) are skipped."""
-        have = len(self.prompt_logprobs)
-        if first + 1 <= have:
-            self.prompt_logprobs.extend(entries[have - first - 1:])
-
-    @property
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED
 
