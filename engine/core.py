@@ -75,6 +75,7 @@ class EngineCore(StepFailures):
         # row with different requests means broken ranks, not a poisonous request (``_ranks_look_broken``)
         self._failed_in_a_row = 0
         self._failed_in_a_row_samples: set[str] = set()
+        self._probe_id: str | None = None  # the request run alone to tell broken ranks from bad requests
         # held while the step changes the scheduler, the block pool or the outputs (never while the
         # ranks compute), so that other threads (stats, the router's hash report) read them whole
         self.lock = threading.RLock()
@@ -280,13 +281,17 @@ class EngineCore(StepFailures):
                 self.scheduler.rollback(scheduler_output)
                 if not isinstance(exc, Exception):
                     raise
-                if not self._ranks_look_broken(scheduler_output, exc):
+                broken = self._ranks_look_broken(scheduler_output, exc)
+                if broken is None:
+                    return []  # a probe runs next
+                if not broken:
                     return self._isolate(scheduler_output, exc)
             self._recover(WorkerFailedError(f"{self._failed_in_a_row} steps failed in a row with different requests"))
             return []
         execute_wall = time.perf_counter() - execute_start
         self._failed_in_a_row = 0
         self._failed_in_a_row_samples.clear()
+        self._probe_id = None
         request_outputs: list[RequestOutput] = []
         with self.lock:
             if only is not None:

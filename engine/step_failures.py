@@ -4,7 +4,8 @@ the request at fault, fails it alone, and rebuilds the ranks (or gives up on the
 - A plan that raises (``Scheduler.schedule`` undid it): its requests run one per step; the one whose
   plan raises alone fails alone (``_plan_failed``).
 - A step that raises inside the ranks (rolled back): the same search (``_isolate``); many steps of
-  one request failing in a row mean broken ranks (``_ranks_look_broken``), rebuilt by ``_recover``.
+  one request failing in a row, then a probe (another request alone) failing too, mean broken
+  ranks (``_ranks_look_broken``), rebuilt by ``_recover``.
 - A lost rank: ``_recover`` rebuilds the ranks within the restart budget, then the engine is dead.
 - The outputs of a step that ran raise: ``_outputs_failed`` ends the step's unfinished requests with
   an error, so none waits forever and no block stays held.
@@ -38,13 +39,16 @@ class StepFailures:
             self._suspects.popleft()  # finished or aborted meanwhile
         return self._suspects[0] if self._suspects else None
 
-    def _ranks_look_broken(self, scheduler_output, exc: Exception) -> bool:
+    def _ranks_look_broken(self, scheduler_output, exc: Exception) -> bool | None:
         """Count a step of one request that raised (a larger step that raises only starts the search
         for the request at fault). ``max_consecutive_failed_steps`` of them in a row (no step ran
-        between), each with a different request: the ranks fail whatever they run (a sticky device
-        fault, a corrupted rank), so they are rebuilt (``_recover``) instead of failing one request
-        after another forever. A poisonous request fails alone, then the others' steps run, which
-        starts the count again."""
+        between), each with a different request, may be broken ranks (a sticky device fault, a
+        corrupted rank) or poisonous requests that were adjacent in the queue. A probe tells them
+        apart: another request (one that has produced tokens first) runs alone next, then the one
+        that failed. The probe runs: the ranks are fine and the count starts again (the failed one
+        then fails alone). The probe fails too, or there is none to run: the ranks are broken and
+        are rebuilt (``_recover``), True. None: a probe is under way (nothing fails now); False:
+        fail the request alone (``_isolate``)."""
         if len(scheduler_output.num_scheduled_tokens) != 1:
             return False
         self._failed_in_a_row += 1
@@ -52,12 +56,37 @@ class StepFailures:
         if (self._failed_in_a_row < self.config.max_consecutive_failed_steps
                 or len(self._failed_in_a_row_samples) < 2):
             return False
+        failed = next(iter(scheduler_output.num_scheduled_tokens))
+        probe = None if self._probe_id is not None else self._probe_candidate()
+        if probe is not None:
+            self._probe_id = probe
+            self.num_failed_steps += 1
+            logger.warning("%d engine steps failed in a row with %d different requests; running another "
+                           "request alone to tell broken ranks from requests at fault", self._failed_in_a_row,
+                           len(self._failed_in_a_row_samples))
+            for sample_id in (probe, failed):
+                if sample_id in self._suspects:
+                    self._suspects.remove(sample_id)
+            self._suspects.extendleft((failed, probe))  # the probe first, then the one that failed
+            return None
+        self._probe_id = None
         self.num_failed_steps += 1
         logger.error("%d engine steps failed in a row with %d different requests (the last: %s: %s); the "
                      "ranks are treated as broken", self._failed_in_a_row, len(self._failed_in_a_row_samples),
                      type(exc).__name__, exc)
         self._suspects.clear()  # all are recomputed on the rebuilt ranks
         return True
+
+    def _probe_candidate(self) -> str | None:
+        """A request to run alone as a probe of the ranks: not one of the requests that just failed,
+        one that has produced tokens if any (it ran on these ranks), else any other unfinished one."""
+        failed = self._failed_in_a_row_samples
+        others = [r for r in (*self.scheduler.running, *self.scheduler.waiting)
+                  if r.request_id not in failed and not r.is_finished]
+        for request in others:
+            if request.num_output_tokens > 0:
+                return request.request_id
+        return others[0].request_id if others else None
 
     def _plan_failed(self, only: str | None, exc: Exception) -> list[RequestOutput]:
         """Planning raised; the scheduler undid the plan. A plan of one request fails that request;
@@ -153,6 +182,7 @@ class StepFailures:
             raise self._dead
         logger.warning("engine step failed (%s); restarting the workers", failure)
         self._failed_in_a_row = 0
+        self._probe_id = None
         self._failed_in_a_row_samples.clear()
         if recent:
             time.sleep(cfg.worker_restart_backoff_s * 2 ** (recent - 1))
