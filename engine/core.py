@@ -75,6 +75,7 @@ class EngineCore(StepFailures):
         # row with different requests means broken ranks, not a poisonous request (``_ranks_look_broken``)
         self._failed_in_a_row = 0
         self._failed_in_a_row_samples: set[str] = set()
+        self._plan_retried = False  # the last plan raised and is being planned again whole (``_plan_failed``)
         self._probe_id: str | None = None  # the request run alone to tell broken ranks from bad requests
         # held while the step changes the scheduler, the block pool or the outputs (never while the
         # ranks compute), so that other threads (stats, the router's hash report) read them whole
@@ -265,6 +266,7 @@ class EngineCore(StepFailures):
                 scheduler_output = self.scheduler.schedule(only=only)
             except Exception as exc:  # noqa: BLE001 - the plan was undone (an interruption too, which goes on)
                 return self._plan_failed(only, exc)
+            self._plan_retried = False
             if scheduler_output.is_empty:
                 if only is not None:
                     self._suspects.popleft()  # it cannot run now: nothing held it alone, so it is cleared

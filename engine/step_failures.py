@@ -1,8 +1,8 @@
 """What the engine does when a step fails: the mixin of ``EngineCore`` that rolls back, isolates
 the request at fault, fails it alone, and rebuilds the ranks (or gives up on them).
 
-- A plan that raises (``Scheduler.schedule`` undid it): its requests run one per step; the one whose
-  plan raises alone fails alone (``_plan_failed``).
+- A plan that raises (``Scheduler.schedule`` undid it): it is planned again whole once; raising
+  again, its requests run one per step; the one whose plan raises alone fails alone (``_plan_failed``).
 - A step that raises inside the ranks (rolled back): the same search (``_isolate``); many steps of
   one request failing in a row, then a probe (another request alone) failing too, mean broken
   ranks (``_ranks_look_broken``), rebuilt by ``_recover``.
@@ -90,7 +90,7 @@ class StepFailures:
 
     def _plan_failed(self, only: str | None, exc: Exception) -> list[RequestOutput]:
         """Planning raised; the scheduler undid the plan. A plan of one request fails that request;
-        a larger one puts the requests it reached under suspicion, to be planned one per step (all
+        a larger one is planned again whole once (a transient fault costs one step); failing again, it puts the requests it reached under suspicion, to be planned one per step (all
         the unfinished requests if it reached none), so that a fault that is not theirs costs nothing
         and one that is fails its request alone: never every request, never a loop."""
         self.num_failed_steps += 1
@@ -105,6 +105,13 @@ class StepFailures:
             output = self._fail_request(request_id, type(exc).__name__)
             return [output] if output is not None else []
         sched = self.scheduler
+        if not self._plan_retried:  # a transient fault costs one step: the whole plan is tried again
+            self._plan_retried = True
+            sched.failed_plan_requests = []
+            logger.warning("planning a step failed (%s: %s); planning it again", type(exc).__name__, exc,
+                           exc_info=exc)
+            return []
+        self._plan_retried = False
         reached = sched.failed_plan_requests or [r.request_id for r in (*sched.running, *sched.waiting)]
         sched.failed_plan_requests = []
         logger.warning("planning a step failed (%s: %s); planning its %d requests one at a time",
