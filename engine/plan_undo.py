@@ -11,11 +11,17 @@ tier copies it recorded and the statistics it counted. What is not restored is o
 freed blocks sit in the free queue, the recency of tier entries, and a tier entry dropped to make room
 for an offload the plan recorded (the tier is only a cache: that block is recomputed if needed).
 
-It costs one copy of the queues per step, and a tuple per request the plan touches; the block tables
-are not copied (a plan only appends to a table, or drops it whole).
+It costs a copy of ``running`` (at most ``max_num_seqs``) per step, a tuple per request the plan
+touches and an entry per change to the waiting queue (``PlanQueue`` logs them; the queue is not
+copied, so the cost does not grow with the queue); the block tables are not copied (a plan only
+appends to a table, or drops it whole), nor the queue-time histogram (the samples the plan added
+are those of the requests it first scheduled).
 """
 
 from __future__ import annotations
+
+import bisect
+from collections import deque
 
 from engine.block_pool import KVCacheBlock
 from engine.request import Request, RequestStatus
@@ -26,6 +32,49 @@ _STATS = ("num_preemptions", "num_prompt_tokens", "prefix_cache_queries", "prefi
           "kv_peak_blocks", "kv_waste_at_peak")
 
 
+class PlanQueue(deque):
+    """The waiting queue. While a plan runs (``log`` set) it logs each change it makes (a plan pops
+    and pushes at the head, and moves a request planned alone there) so that ``PlanUndo`` takes
+    them back in reverse, without a copy of the queue."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.log: list | None = None
+
+    def popleft(self):
+        item = super().popleft()
+        if self.log is not None:
+            self.log.append((0, item))
+        return item
+
+    def appendleft(self, item) -> None:
+        super().appendleft(item)
+        if self.log is not None:
+            self.log.append((1, item))
+
+    def extendleft(self, items) -> None:
+        for item in items:
+            self.appendleft(item)
+
+    def remove(self, item) -> None:
+        if self.log is None:
+            return super().remove(item)
+        index = self.index(item)
+        del self[index]
+        self.log.append((2, index, item))
+
+    def undo(self) -> None:
+        """Take back the logged changes, last first, and stop logging."""
+        log, self.log = self.log, None
+        for entry in reversed(log or ()):
+            if entry[0] == 0:
+                super().appendleft(entry[1])
+            elif entry[0] == 1:
+                super().popleft()
+            else:
+                self.insert(entry[1], entry[2])
+
+
 class PlanUndo:
     """What a plan changed, recorded as it goes (``touch`` before a request changes, ``evicted`` as
     the pool hands out a cached block), and how to take it back."""
@@ -34,11 +83,11 @@ class PlanUndo:
         self.scheduler = scheduler
         kv = scheduler.kv
         self.running = list(scheduler.running)
-        self.waiting = scheduler.waiting.copy()
+        scheduler.waiting.log = []  # the queue logs what the plan changes (``PlanQueue``)
         self.dropped_ids = set(scheduler._dropped_ids)
         self.stats = tuple(getattr(scheduler.stats, name) for name in _STATS)
         queue_time = scheduler.stats.queue_time
-        self.queue_time = (list(queue_time.counts), queue_time.total, queue_time.count)
+        self.queue_time = (queue_time.total, queue_time.count)
         self.tier_stats = (kv.tier_stats.queries, kv.tier_stats.hits, kv.tier_stats.offloaded)
         self.pending_copies = len(kv._pending_copies)
         self.pool_evictions = kv.block_pool.num_evictions
@@ -117,18 +166,20 @@ class PlanUndo:
                 pool.cache_block(block, block_hash, token_ids)
         pool.num_evictions = self.pool_evictions
         # 4. the requests, the queues and the statistics
+        queue_time = scheduler.stats.queue_time
         for request, fields, *_ in self.touched.values():
+            if fields[4] < 0 <= request.num_cached_tokens:  # first scheduled by the plan: its sample leaves
+                waited = request.first_scheduled_time - request.arrival_time  # the value it observed
+                queue_time.counts[bisect.bisect_left(queue_time.buckets, waited)] -= 1
             for name, value in zip(_FIELDS, fields):
                 setattr(request, name, value)
         scheduler.running[:] = self.running
-        scheduler.waiting.clear()
-        scheduler.waiting.extend(self.waiting)
+        scheduler.waiting.undo()
         scheduler._dropped_ids = self.dropped_ids
         scheduler._step_started = []
         for name, value in zip(_STATS, self.stats):
             setattr(scheduler.stats, name, value)
-        queue_time = scheduler.stats.queue_time
-        queue_time.counts[:], queue_time.total, queue_time.count = self.queue_time
+        queue_time.total, queue_time.count = self.queue_time
 
 
 def undo_sent_step(scheduler, scheduler_output) -> None:

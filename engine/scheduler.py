@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.messages import (
@@ -24,7 +23,7 @@ from engine.messages import (
     SchedulerOutput,
 )
 from engine.metrics import SchedulerStats
-from engine.plan_undo import PlanUndo, undo_sent_step
+from engine.plan_undo import PlanQueue, PlanUndo, undo_sent_step
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -50,7 +49,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting: PlanQueue = PlanQueue()  # a deque that logs a plan's changes
         self.running: list[Request] = []  # in the order they started running: the last is the newest
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -114,7 +113,7 @@ class Scheduler:
             raise
         finally:
             self.kv.end_plan()
-            self._plan = None
+            self._plan = self.waiting.log = None
 
     def _schedule(self, only: str | None) -> SchedulerOutput:
         self._step_started = []
