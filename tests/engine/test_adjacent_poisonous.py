@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from engine.executor import StepFailedError
-from tests.engine.test_engine_failures import PARAMS, PROMPTS, FakeExecutor, make_core, reference_tokens, run
+from tests.engine.test_engine_failures import (
+    PARAMS,
+    PROMPTS,
+    FakeExecutor,
+    make_core,
+    reference_tokens,
+    run,
+)
 
 
 @pytest.mark.parametrize("num_bad", [3, 5])
