@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine.executor import StepFailedError
 from tests.engine.test_engine_failures import (
     PARAMS,
     PROMPTS,
@@ -20,17 +19,8 @@ from tests.engine.test_engine_failures import (
 @pytest.mark.parametrize("num_bad", [3, 5])
 def test_adjacent_poisonous_requests_fail_alone_and_rebuild_nothing(model_dirs, num_bad):
     expected = reference_tokens(model_dirs, PROMPTS)
-    executor = FakeExecutor()
+    executor = FakeExecutor(raise_for="bad")
     core = make_core(model_dirs, executor, max_consecutive_failed_steps=3, max_worker_restarts=1)
-    real = executor.execute_model
-
-    def execute(so):
-        if any(s.startswith("bad") for s in so.num_scheduled_tokens):
-            executor.calls += 1
-            raise StepFailedError("IndexError", "index 9999 is out of bounds")
-        return real(so)
-
-    executor.execute_model = execute
     for i, p in enumerate(PROMPTS):
         core.add_request(f"r{i}", p, PARAMS)
     finals = {out.request_id: out for out in core.step() if out.finished}  # the good ones run first

@@ -17,7 +17,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 class FakeExecutor(Executor):
     """FakeRunner behind the Executor interface. ``die_on``: call numbers (1-based) on which a rank
-    is lost; ``raise_for``: a request id whose presence in a step makes a rank raise (alive)."""
+    is lost; ``raise_for``: a request id prefix; a step holding a request whose id starts with it makes
+    a rank raise (alive)."""
 
     def __init__(self, die_on=(), raise_for: str | None = None) -> None:
         self.runner = FakeRunner()
@@ -34,8 +35,7 @@ class FakeExecutor(Executor):
         self.calls += 1
         if self.calls in self.die_on or "always" in self.die_on:
             raise WorkerFailedError("rank 1 died")
-        if self.raise_for is not None and any(s.rsplit("#", 1)[0] == self.raise_for
-                                              for s in so.num_scheduled_tokens):
+        if self.raise_for is not None and any(s.startswith(self.raise_for) for s in so.num_scheduled_tokens):
             self.runner.execute_model(so)  # the ranks applied the step before one of them raised
             raise StepFailedError("IndexError", "index 9999 is out of bounds")
         return self.runner.execute_model(so)

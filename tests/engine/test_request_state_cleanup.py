@@ -10,7 +10,6 @@ from concurrent.futures import Future
 import pytest
 
 from engine import AsyncLLM, SamplingParams
-from engine.executor import StepFailedError
 from engine.sampling_params import StructuredOutputsParams
 from tests.engine.test_engine_failures import PROMPTS, FakeExecutor, make_core
 
@@ -33,15 +32,7 @@ def assert_nothing_per_request_is_left(actor) -> None:
 def test_many_requests_of_every_ending_leave_nothing_behind(model_dirs):
     from cluster.scheduler_actor import SchedulerActor
 
-    executor = FakeExecutor()
-    real = executor.execute_model
-
-    def execute(so):  # any request named bad* makes the step raise inside the ranks
-        if any(s.startswith("bad") for s in so.num_scheduled_tokens):
-            raise StepFailedError("IndexError", "index 9999 is out of bounds")
-        return real(so)
-
-    executor.execute_model = execute
+    executor = FakeExecutor(raise_for="bad")  # any request named bad* makes the step raise inside the ranks
     core = make_core(model_dirs, executor)
     actor = SchedulerActor.__new__(SchedulerActor)  # the actor's request bookkeeping, without Ray
     actor.engine = AsyncLLM(core.config, core=core)
