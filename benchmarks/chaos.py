@@ -200,18 +200,18 @@ class Load:
             if not record.ok:
                 await asyncio.sleep(RETRY_PAUSE_S)
 
-    async def _unary(self, body: dict, start: float) -> Record:
-        r = await self._http.post(f"{self.url}/v1/completions", json=body)
+    async def _unary(self, body: dict, start: float, path: str = "/v1/completions") -> Record:
+        r = await self._http.post(f"{self.url}{path}", json=body)
         if r.status_code == 200:
             ok = r.json()["usage"]["completion_tokens"] == self.max_tokens
             return Record(start, time.monotonic(), ok, 200, None if ok else "wrong_token_count")
         return Record(start, time.monotonic(), False, r.status_code, _error_code(r.content),
                       message=_error_message(r.content))
 
-    async def _streamed(self, body: dict, start: float) -> Record:
+    async def _streamed(self, body: dict, start: float, path: str = "/v1/completions") -> Record:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         events = []
-        async with self._http.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+        async with self._http.stream("POST", f"{self.url}{path}", json=body) as r:
             if r.status_code != 200:
                 content = await r.aread()
                 return Record(start, time.monotonic(), False, r.status_code, _error_code(content), True,

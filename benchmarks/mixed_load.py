@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from benchmarks.chaos import MODEL_NAME, RETRY_PAUSE_S, Load, Record, _error_code
+from benchmarks.chaos import MODEL_NAME, RETRY_PAUSE_S, Load, Record, _error_code, _error_message
 
 KINDS = ("completion", "completion_stream", "chat", "chat_stream", "completion_stream_cut")
 
@@ -48,45 +48,21 @@ class MixedLoad(Load):
             path, body = "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
         else:
             path, body = "/v1/completions", {**common, "prompt": text}
-        if kind == "completion":
-            return await self._unary(body, start)
-        if kind == "chat":
-            r = await self._http.post(f"{self.url}{path}", json=body)
-            if r.status_code != 200:
-                return Record(start, time.monotonic(), False, r.status_code, _error_code(r.content))
-            ok = r.json()["usage"]["completion_tokens"] == self.max_tokens
-            return Record(start, time.monotonic(), ok, 200, None if ok else "wrong_token_count")
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         if kind == "completion_stream_cut":
-            return await self._cut(path, body, start)
-        if kind == "completion_stream":
-            return await self._streamed(body, start)
-        return await self._chat_streamed(path, body, start)
+            return await self._cut(path, {**body, "stream": True}, start)
+        if kind.endswith("stream"):
+            return await self._streamed(body, start, path)
+        return await self._unary(body, start, path)
 
     async def _cut(self, path: str, body: dict, start: float) -> Record:
         """Read the first data chunk, then close the connection."""
         async with self._http.stream("POST", f"{self.url}{path}", json=body) as r:
             if r.status_code != 200:
-                return Record(start, time.monotonic(), False, r.status_code, _error_code(await r.aread()), True)
+                content = await r.aread()
+                return Record(start, time.monotonic(), False, r.status_code, _error_code(content), True,
+                              _error_message(content))
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     ok = line[6:] != "[DONE]" and "error" not in json.loads(line[6:])
                     return Record(start, time.monotonic(), ok, 200, None if ok else "error_chunk", True)
         return Record(start, time.monotonic(), False, 200, "no_chunk", True)
-
-    async def _chat_streamed(self, path: str, body: dict, start: float) -> Record:
-        events = []
-        async with self._http.stream("POST", f"{self.url}{path}", json=body) as r:
-            if r.status_code != 200:
-                return Record(start, time.monotonic(), False, r.status_code, _error_code(await r.aread()), True)
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-        end = time.monotonic()
-        if events[-1:] != ["[DONE]"]:
-            return Record(start, end, False, 200, "unfinished_stream", True)
-        last = json.loads(events[-2]) if len(events) >= 2 else {}
-        if "error" in last:
-            return Record(start, end, False, 200, last["error"].get("code"), True)
-        ok = (last.get("usage") or {}).get("completion_tokens") == self.max_tokens
-        return Record(start, end, ok, 200, None if ok else "wrong_token_count", True)
