@@ -159,9 +159,15 @@ class AppArgs(BaseModel):
     # how tool calls are read out of the model's text under tool_choice "auto": generic (JSON, else Hermes
     # <tool_call> blocks), hermes, llama3_json
     tool_call_parser: str = "generic"
-    # logical CPUs of the engine bundle (tp = 1) or of each rank bundle (at least 1: a rank actor takes one)
-    engine_cpus: float = Field(1.0, gt=0)
-    torch_threads: int | None = None  # intra-op threads of the engine at tp = 1 (default: engine_cpus)
+    # logical CPUs of the engine bundle (tp = 1) or of each rank bundle (at least 1: a rank actor takes one);
+    # default: on a CPU device the node's CPUs less the serving actors' reservations (cluster/reservations.py),
+    # on a GPU 1
+    engine_cpus: float | None = Field(None, gt=0)
+    # intra-op threads of the engine at tp = 1; default: engine_cpus where it is given, else the engine's
+    # share of the node's physical cores (cluster/cpu_plan.py)
+    torch_threads: int | None = Field(None, ge=1)
+    # on a CPU device, bind the engine's threads to cores it claims on its node (cluster/cpu_plan.py)
+    bind_threads: bool = True
     # logical CPUs of each Ingress and LLMServer replica (and of the scheduler actor at tp > 1); default
     # 0.5, less, down to none, where the cluster's CPUs are too few (see plan_reservations)
     proxy_cpus: float | None = Field(None, ge=0)
@@ -219,7 +225,7 @@ class AppArgs(BaseModel):
         given = [name for name in ("api_key", "api_key_env", "api_key_file") if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"give one of api_key, api_key_env and api_key_file, not {' and '.join(given)}")
-        if self.tensor_parallel_size > 1 and self.engine_cpus < 1:
+        if self.tensor_parallel_size > 1 and self.engine_cpus is not None and self.engine_cpus < 1:
             raise ValueError(f"engine_cpus={self.engine_cpus:g} is less than the one CPU each tensor-parallel rank "
                              f"actor takes: give engine_cpus >= 1 at tensor_parallel_size > 1")
         return self

@@ -82,7 +82,11 @@ class LLMServer:
             num_gpus=1 if use_gpu and tp == 1 else 0,
             name=self.engine_name, namespace=ENGINE_NAMESPACE,
             max_waiting_requests=args.max_waiting_requests,
-            torch_threads=(args.torch_threads or max(1, int(args.engine_cpus))) if tp == 1 else None,
+            # explicit threads (or engine_cpus) win; else the engine's share of its node's cores
+            torch_threads=(args.torch_threads or (max(1, int(args.engine_cpus)) if args.engine_cpus else None)
+                           if tp == 1 else None),
+            cpu_share=plan.cpu_share if tp == 1 and not args.torch_threads and not args.engine_cpus else None,
+            bind_threads=args.bind_threads and not use_gpu and tp == 1,
         )
         self.max_engine_restarts = args.max_engine_restarts
         self.num_engine_restarts = 0

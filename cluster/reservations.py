@@ -23,6 +23,31 @@ class Reservations:
     engine_cpus: float  # the scheduler actor's CPUs (it runs the model at tp = 1)
     first_rank_bundle: int  # rank r takes bundle first_rank_bundle + r (tp > 1)
     ingress_cpus: float
+    rank_cpus: float = 1.0  # the engine's (tp = 1) or each rank's compute CPUs: engine_cpus, given or chosen
+    # what the engine and the serving actors beside it reserve on its node (the engine's default threads
+    # are its share of the node's cores: cluster/cpu_plan.py); None on a GPU
+    cpu_share: float | None = None
+
+
+def default_engine_cpus(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | None) -> float:
+    """``engine_cpus`` when not given: 1 on a GPU or an unknown cluster; on CPU nodes each engine (or
+    rank) takes what its node leaves after the serving actors' reservations (the replica, the scheduler
+    actor at tp > 1 and the Ingress, ``DEFAULT_PROXY_CPUS`` each), the node shared by as many engine
+    groups as the replicas need per node, and never less than 1."""
+    if args.engine_cpus is not None:
+        return args.engine_cpus
+    if use_gpu or cpus is None:
+        return 1.0
+    node, total = cpus
+    tp = args.tensor_parallel_size
+    high = args.replica_range[1] if args.autoscaling else (args.num_replicas or 1)
+    nodes = max(1, round(total / node)) if node > 0 else 1
+    groups_per_node = max(1, math.ceil(high / nodes))
+    serving = DEFAULT_PROXY_CPUS * ((1 if tp == 1 else 2) + 1)
+    per_rank = math.floor((node / groups_per_node - serving) / tp)
+    if high * tp * per_rank > total:
+        per_rank = math.floor(total / (high * tp))
+    return float(max(1, per_rank))
 
 
 def cluster_cpus() -> tuple[float, float] | None:
@@ -55,7 +80,8 @@ def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | 
     every request waiting."""
     tp = args.tensor_parallel_size
     high = args.replica_range[1] if args.autoscaling else (args.num_replicas or 1)
-    compute = args.engine_cpus * tp  # the engine at tp = 1, the ranks above
+    engine_cpus = default_engine_cpus(args, use_gpu, cpus)
+    compute = engine_cpus * tp  # the engine at tp = 1, the ranks above
     shared = 1 if tp == 1 else 2  # CPU-less actors beside the compute: the replica (+ the scheduler)
     proxy = args.proxy_cpus
     if cpus is not None:
@@ -63,8 +89,8 @@ def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | 
         per_group = node if args.placement_strategy == "STRICT_PACK" else total
         where = "the largest node" if per_group == node else "the cluster"
         if compute > per_group:
-            setting = (f"tensor_parallel_size={tp} with engine_cpus={args.engine_cpus:g} per rank" if tp > 1
-                       else f"engine_cpus={args.engine_cpus:g}")
+            setting = (f"tensor_parallel_size={tp} with engine_cpus={engine_cpus:g} per rank" if tp > 1
+                       else f"engine_cpus={engine_cpus:g}")
             lower = "tensor_parallel_size (or engine_cpus)" if tp > 1 else "engine_cpus"
             raise ValueError(f"{setting} needs {compute:g} CPUs for one engine but {where} has {per_group:g}: "
                              f"lower {lower}, or run on a bigger node or cluster")
@@ -82,11 +108,12 @@ def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | 
     gpu = {"GPU": 1.0} if use_gpu else {}
     if use_gpu and args.accelerator_type is not None:  # Ray's node label resource for that GPU model
         gpu[f"accelerator_type:{args.accelerator_type}"] = 0.001
-    engine = [{"CPU": args.engine_cpus, **gpu}] * tp
+    engine = [{"CPU": engine_cpus, **gpu}] * tp
+    share = None if use_gpu else engine_cpus * tp + proxy * (shared + 1)
     if proxy > 0:
         aux = [{"CPU": proxy}] * shared
         return Reservations(aux + engine, replica_cpus=proxy, engine_bundle=1,
-                            engine_cpus=args.engine_cpus if tp == 1 else proxy, first_rank_bundle=shared,
-                            ingress_cpus=proxy)
-    return Reservations(engine, replica_cpus=0.0, engine_bundle=0, engine_cpus=args.engine_cpus if tp == 1 else 0.0,
-                        first_rank_bundle=0, ingress_cpus=0.0)
+                            engine_cpus=engine_cpus if tp == 1 else proxy, first_rank_bundle=shared,
+                            ingress_cpus=proxy, rank_cpus=engine_cpus, cpu_share=share)
+    return Reservations(engine, replica_cpus=0.0, engine_bundle=0, engine_cpus=engine_cpus if tp == 1 else 0.0,
+                        first_rank_bundle=0, ingress_cpus=0.0, rank_cpus=engine_cpus, cpu_share=share)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 import ray
 
@@ -60,15 +61,39 @@ class _Subscriber:
 
 class SchedulerActor:
     def __init__(self, config: EngineConfig, *, executor_kwargs: dict | None = None,
-                 max_waiting_requests: int | None = None, torch_threads: int | None = None) -> None:
-        if torch_threads:
+                 max_waiting_requests: int | None = None, torch_threads: int | None = None,
+                 cpu_share: float | None = None, bind_threads: bool = False) -> None:
+        """``torch_threads``: the engine's intra-op threads at tp = 1; None with ``cpu_share`` (the
+        logical CPUs the engine and its serving actors reserve on this node): chosen from the node
+        (``cluster.cpu_plan.default_threads``). ``bind_threads``: the step thread's OpenMP threads
+        are bound to cores this engine claims on the node (CPU device, tp = 1)."""
+        threads_line = None
+        if torch_threads or cpu_share:
             import torch
 
+            if not torch_threads:
+                from cluster.cpu_plan import cpu_topology, default_threads, physical_cores
+
+                topology = cpu_topology()
+                torch_threads = default_threads(cpu_share, len(topology), physical_cores(topology))
+                threads_line = (f"{torch_threads} threads (this node: {physical_cores(topology)} physical cores, "
+                                f"{len(topology)} logical CPUs; the engine and its serving actors reserve {cpu_share:g})")
+            else:
+                threads_line = f"{torch_threads} threads (torch_threads)"
             torch.set_num_threads(torch_threads)  # Ray pins OMP_NUM_THREADS=1 in actors
         config = localize(config)  # the checkpoint's copy on this node
         self.config = config
         core = EngineCore(config, create_executor(config, **(executor_kwargs or {})))
         self.engine = AsyncLLM(config, core=core, max_waiting_requests=max_waiting_requests)
+        self.bound_cores: list[int] = []
+        if threads_line is not None and config.device != "cuda" and config.parallel.tensor_parallel_size == 1:
+            if bind_threads:
+                from cluster.cpu_plan import bind_engine_threads
+
+                # on the step thread: OpenMP keeps one team of threads per calling thread
+                self.bound_cores, why = self.engine._step_thread.submit(bind_engine_threads, torch_threads).result()
+                threads_line += f", bound to cores {self.bound_cores}" if not why else f", {why}"
+            print(f"kvserve engine: {threads_line}", file=sys.stderr, flush=True)
         self._subscribers: dict[str, _Subscriber] = {}
         self._finished: dict[str, asyncio.Event] = {}
         # the dashboard's KV map: sampled here, where the engine lives, so a new viewer sees history
@@ -197,6 +222,8 @@ def launch_scheduler_actor(
     namespace: str | None = None,
     max_waiting_requests: int | None = None,
     torch_threads: int | None = None,
+    cpu_share: float | None = None,
+    bind_threads: bool = False,
     wait: bool = True,
     ready_timeout_s: float = 600.0,
     ranks: list | None = None,
@@ -220,7 +247,7 @@ def launch_scheduler_actor(
             executor_kwargs = {"placement_group": placement_group, "first_bundle": first, "ranks": ranks}
     actor = ray.remote(SchedulerActor).options(**options).remote(
         config, executor_kwargs=executor_kwargs, max_waiting_requests=max_waiting_requests,
-        torch_threads=torch_threads)
+        torch_threads=torch_threads, cpu_share=cpu_share, bind_threads=bind_threads)
     if not wait:
         return actor
     try:

@@ -35,9 +35,11 @@ def test_engine_settings_are_validated_when_the_app_is_built(model_dirs, tmp_pat
 
 def test_each_replica_reserves_its_engine_and_ranks():
     big = (8.0, 8.0)
-    plan = plan_reservations(AppArgs(), use_gpu=False, cpus=big)
-    assert plan.bundles == [{"CPU": 0.5}, {"CPU": 1.0}]
-    assert (plan.replica_cpus, plan.engine_bundle, plan.engine_cpus, plan.ingress_cpus) == (0.5, 1, 1.0, 0.5)
+    plan = plan_reservations(AppArgs(), use_gpu=False, cpus=big)  # the engine takes what the node leaves
+    assert plan.bundles == [{"CPU": 0.5}, {"CPU": 7.0}]
+    assert (plan.replica_cpus, plan.engine_bundle, plan.engine_cpus, plan.ingress_cpus) == (0.5, 1, 7.0, 0.5)
+    plan = plan_reservations(AppArgs(engine_cpus=1), use_gpu=False, cpus=big)
+    assert plan.bundles == [{"CPU": 0.5}, {"CPU": 1.0}] and plan.engine_cpus == 1.0
     plan = plan_reservations(AppArgs(engine_cpus=2), use_gpu=True, cpus=big)
     assert plan.bundles == [{"CPU": 0.5}, {"CPU": 2.0, "GPU": 1.0}]
     plan = plan_reservations(AppArgs(tensor_parallel_size=2), use_gpu=True, cpus=big)
