@@ -131,6 +131,25 @@ def _save_tokenizer(tokenizer: Tokenizer, out: Path, model_max_length: int) -> N
 
 
 @contextlib.contextmanager
+def _without_triton() -> Iterator[None]:
+    """Hide Triton from what a build imports where this process cannot run it: a CPU-only torch and no
+    Triton interpreter (``TRITON_INTERPRET=1``). transformers' model classes import torch._dynamo, which
+    imports triton to see whether it is installed; building never uses it, and a process that imported it
+    ends, after an engine ran, with ~27 lines of ``nanobind: leaked ...`` on stderr (``make demo``'s first
+    run). While hidden, ``import triton`` raises ImportError (torch then caches "no Triton" for its own
+    compiler, which kvserve does not use); ``kernels.triton`` imports it normally afterwards."""
+    hide = ("triton" not in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and torch.version.cuda is None and torch.version.hip is None)
+    if hide:
+        sys.modules["triton"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if hide and "triton" in sys.modules and sys.modules["triton"] is None:
+            del sys.modules["triton"]
+
+
+@contextlib.contextmanager
 def _no_progress_bars() -> Iterator[None]:
     from transformers.utils import logging  # save_pretrained draws a tqdm bar on stderr
 
@@ -153,6 +172,11 @@ def make_model(arch: str, preset: str, out: str | Path, seed: int = 0, dtype: st
     (e.g. "200KB") splits the weights into shards listed in `model.safetensors.index.json`.
     Raises ValueError for an unknown arch, preset or dtype and FileExistsError if `out` is a non-empty directory.
     """
+    with _without_triton():
+        return _make_model(arch, preset, out, seed, dtype, max_shard_size)
+
+
+def _make_model(arch: str, preset: str, out: str | Path, seed: int, dtype: str, max_shard_size: str | None) -> Path:
     import transformers  # slow to import; only building needs it
 
     kwargs = _preset(arch, preset)
