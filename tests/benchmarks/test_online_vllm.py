@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import sys
+import types
 
 import pytest
 
@@ -93,17 +94,48 @@ def test_client_flags(fake_python):
                         "--served-model-name": "bench", "--temperature": "0", "--result-filename": "x.json"}.items():
         assert pairs[flag] == value
     assert "--ignore-eos" in command and "--save-result" in command
+    command = online_vllm.client_command(args, "/m", "http://127.0.0.1:8000", "/r", "x.json", "no-prefix", 16)
+    pairs = dict(zip(command[2::1], command[3::1]))
+    assert (pairs["--random-prefix-len"], pairs["--random-input-len"], pairs["--max-concurrency"]) == ("0", "544", "16")
+    assert online_vllm.workloads(args) == [("shared-prefix", 16), ("shared-prefix", 48), ("no-prefix", 16),
+                                           ("no-prefix", 48)]
+
+
+def test_untuned_servers_get_nothing_but_the_shared_batch_limits(fake_python, monkeypatch, tmp_path):
+    """Untuned (the default) each server starts with its own defaults; --tuned passes the settings."""
+    launched = {}
+    monkeypatch.setattr(server_process, "launch", lambda name, command, env, *a: launched.update(
+        {name: (command, env)}) or types.SimpleNamespace(extra={}))
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    args = parse("--vllm-python", fake_python, "--kvserve-port", "8000")
+    online_vllm.start_kvserve(args, "/m", str(tmp_path))
+    online_vllm.start_vllm(args, "/m", str(tmp_path))
+    kv_command, _ = launched["kvserve"]
+    assert kv_command[1:] == ["run", "serve_app:app", "model=/m", "served_model_name=bench"]
+    vllm_command, vllm_env = launched["vllm"]
+    assert "--block-size" not in vllm_command and "--kv-cache-memory-bytes" not in vllm_command
+    assert "OMP_NUM_THREADS" not in vllm_env  # vLLM chooses its threads
+    assert vllm_command[vllm_command.index("--max-num-seqs") + 1] == "256"
+    args = parse("--vllm-python", fake_python, "--kvserve-port", "8000", "--tuned", "--threads", "2")
+    online_vllm.start_kvserve(args, "/m", str(tmp_path))
+    online_vllm.start_vllm(args, "/m", str(tmp_path))
+    assert "torch_threads=2" in launched["kvserve"][0] and "block_size=8" in launched["kvserve"][0]
+    assert launched["vllm"][1]["OMP_NUM_THREADS"] == "2" and "--block-size" in launched["vllm"][0]
 
 
 def test_fake_vllm_server_started_measured_and_stopped(fake_python, model_dirs, monkeypatch, tmp_path):
     monkeypatch.setattr(server_process, "LINGER_S", 2.0)
     port = free_port()
     args = parse("--vllm-python", fake_python, "--systems", "vllm", "--vllm-port", str(port), "--num-prompts", "16",
-                 "--vllm-threads", "1", "--startup-timeout", "60")
+                 "--tuned", "--vllm-threads", "1", "--startup-timeout", "60", "--rounds", "1", "--concurrency", "4")
     report = bench_online_vllm(args, model_dirs["llama"], str(tmp_path))
-    section = report["vllm"]
-    assert section["result"]["completed"] == 16 and section["ready_s"] >= 1.0
-    assert "--enable-prefix-caching" not in section["result"]["argv"]  # the client's flags, not the server's
+    [section] = report["starts"]
+    assert list(section["workloads"]) == ["shared-prefix c4", "no-prefix c4"]
+    assert section["first_workload"] == "shared-prefix c4"
+    run = section["workloads"]["no-prefix c4"]
+    assert run["result"]["completed"] == 16 and section["ready_s"] >= 1.0
+    assert "--enable-prefix-caching" not in run["result"]["argv"]  # the client's flags, not the server's
+    assert run["result"]["argv"][run["result"]["argv"].index("--random-prefix-len") + 1] == "0"
     assert any("sleep(600)" in k for k in section["killed_after_sigterm"])  # the left-behind process, killed
     assert section["left_running"] == []
     assert server_process.port_free(port)
@@ -112,6 +144,7 @@ def test_fake_vllm_server_started_measured_and_stopped(fake_python, model_dirs, 
     assert report["settings"]["vllm_threads"] == 1 and report["settings"]["vllm_block_size"] == 32
     table = format_online_report(report)
     assert "| output tok/s | - | 50.0 | - |" in table and "| completed requests | - | 16 | - |" in table
+    assert "### no-prefix c4" in table and "tuned: threads=2, vllm_threads=1" in table
 
 
 def test_kvserve_serve_run_started_measured_and_stopped(fake_python, model_dirs, monkeypatch, tmp_path):
@@ -120,14 +153,16 @@ def test_kvserve_serve_run_started_measured_and_stopped(fake_python, model_dirs,
     port = free_port()
     monkeypatch.setenv("FAKE_COMPLETE_PORT", str(port))
     args = parse("--vllm-python", fake_python, "--systems", "kvserve", "--kvserve-port", str(port),
-                 "--num-prompts", "8", "--kv-cache-gib", "0.0625", "--startup-timeout", "120")
+                 "--num-prompts", "8", "--tuned", "--kv-cache-gib", "0.0625", "--startup-timeout", "120",
+                 "--rounds", "1", "--datasets", "shared-prefix", "--concurrency", "8")
     report = bench_online_vllm(args, model_dirs["llama"], str(tmp_path))
-    section = report["kvserve"]
-    assert section["result"]["completed"] == 8
+    [section] = report["starts"]
+    run = section["workloads"]["shared-prefix c8"]
+    assert run["result"]["completed"] == 8
     assert section["left_running"] == []
     assert server_process.port_free(port)
-    assert any(name.startswith("ray::") for name in section["server_cpu_s"]), section["server_cpu_s"]
-    assert section["server_cpu_s_total"] > 0
+    assert any(name.startswith("ray::") for name in run["server_cpu_s"]), run["server_cpu_s"]
+    assert run["server_cpu_s_total"] > 0
     config = json.load(open(os.path.join(report["logs"], "kvserve_serve_config.yaml")))
     assert config["http_options"]["port"] == port
     assert config["applications"][0]["args"]["model"] == model_dirs["llama"]
@@ -135,17 +170,24 @@ def test_kvserve_serve_run_started_measured_and_stopped(fake_python, model_dirs,
     assert leftovers == [] and not os.path.exists(section["ray_tmpdir"])  # its session files removed too
 
 
-def test_table_ratios():
-    def section(tok_s, ttft):
+def test_table_ratios_best_of_rounds_and_first_workload():
+    def run(tok_s, ttft):
         return {"result": {"output_throughput": tok_s, "request_throughput": tok_s / 32, "p50_ttft_ms": ttft,
                            "completed": 96, "failed": 0},
-                "ready_s": 10.0, "client_wall_s": 20.0, "server_cpu_s": {"ray::SchedulerActor": 20.5},
+                "client_wall_s": 20.0, "server_cpu_s": {"ray::SchedulerActor": 20.5},
                 "server_cpu_s_total": 30.0, "client_cpu_s": 4.0}
+
+    def start(system, round_, tok_s, ttft):
+        return {"system": system, "round": round_, "ready_s": 10.0, "first_workload": "shared-prefix c48",
+                "workloads": {"shared-prefix c48": run(tok_s, ttft)}}
     report = {"model": "/m", "settings": {"num_prompts": 96, "prefix_len": 512, "input_len": 32, "output_len": 32,
-                                          "max_concurrency": 48},
-              "kvserve": section(200.0, 300.0), "vllm": section(400.0, 150.0)}
+                                          "max_num_seqs": 256, "max_num_batched_tokens": 2048, "tuned": False,
+                                          "rounds": 2},
+              "starts": [start("kvserve", 1, 150.0, 500.0), start("vllm", 1, 400.0, 150.0),
+                         start("vllm", 2, 380.0, 140.0), start("kvserve", 2, 200.0, 300.0)]}
     table = format_online_report(report)
-    assert "| output tok/s | 200.0 | 400.0 | 0.50x |" in table
-    assert "| TTFT p50 (ms) | 300.0 | 150.0 | 2.00x |" in table
+    assert "| output tok/s | 200.0 | 400.0 | 0.50x |" in table  # each system's best round
+    assert "| TTFT p50 (ms) | 300.0 | 150.0 | 2.00x |" in table  # from the same run as its throughput
     assert "| completed requests | 96 | 96 | 1.00x |" in table
-    assert "ray::SchedulerActor 20.5" in table
+    assert "ray::SchedulerActor 20.5" in table and "untuned: both servers' defaults" in table
+    assert "- round 1 kvserve: answered 10.0 s after launch; shared-prefix c48: 150.0 output tok/s" in table
