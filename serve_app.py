@@ -208,6 +208,24 @@ def _use_gpu(device: str, accelerator_type: str | None = None) -> bool:
     return torch.cuda.is_available()
 
 
+# Serve's own settings for the serving path (read where each Serve process starts): a replica runs our
+# code on its main event loop, and a handle's router on the caller's loop, instead of each on a thread
+# of its own with a hop between loops per call and per streamed chunk. Measured under vLLM's client
+# (shared prefix, concurrency 48, 192 prompts, 2 cores): the proxy, Ingress and LLMServer used 7.9
+# CPU-seconds with Serve's defaults and 7.3 with these. An environment that sets them wins.
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+def serve_env() -> dict[str, str]:
+    """``SERVE_ENV`` as this environment has it. Before Ray starts here (`serve run` starts its local
+    cluster after building the app) they are set in this process, which the cluster's processes
+    (Serve's proxy among them) inherit; the deployments carry them in their runtime_env."""
+    if not ray.is_initialized():
+        for key, value in SERVE_ENV.items():
+            os.environ.setdefault(key, value)
+    return {key: os.environ.get(key, value) for key, value in SERVE_ENV.items()}
+
+
 def build_app(args: AppArgs | dict | None = None):
     """The application for `serve run serve_app:app key=value ...` (and `serve deploy`)."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
@@ -222,7 +240,7 @@ def build_app(args: AppArgs | dict | None = None):
     served_name = args.served_model_name or config.model.source or Path(config.model.path).name
     options: dict = {
         "name": "LLMServer",
-        "ray_actor_options": {"num_cpus": plan.replica_cpus},
+        "ray_actor_options": {"num_cpus": plan.replica_cpus, "runtime_env": {"env_vars": serve_env()}},
         "placement_group_bundles": plan.bundles,
         "placement_group_strategy": args.placement_strategy,
         # a replica takes what its engine can hold (running + waiting); each handle queues as many
@@ -257,7 +275,8 @@ def build_app(args: AppArgs | dict | None = None):
     options = _with_options(options, args.deployment_config)
     llm_server = serve.deployment(LLMServer).options(**options).bind(config, args, use_gpu, plan)
     ingress = serve.deployment(serve.ingress()(Ingress)).options(**_with_options(
-        {"name": "Ingress", "ray_actor_options": {"num_cpus": plan.ingress_cpus}, "max_ongoing_requests": 10_000},
+        {"name": "Ingress", "ray_actor_options": {"num_cpus": plan.ingress_cpus, "runtime_env": {"env_vars": serve_env()}},
+         "max_ongoing_requests": 10_000},
         args.ingress_deployment_config))
     min_engines = args.replica_range[0] if args.autoscaling or "num_replicas" in args.deployment_config \
         else (args.num_replicas or 1)
