@@ -58,9 +58,11 @@ async def burst(url: str, requests: int, max_tokens: int, timeout: float) -> dic
             try:
                 r = await http.post(f"{url}/v1/completions", json=body)
             except httpx.HTTPError as exc:
-                return type(exc).__name__, None, time.monotonic() - start, None
+                return type(exc).__name__, None, time.monotonic() - start, (None, None)
             code = r.json().get("error", {}).get("code") if r.status_code != 200 else None
-            return r.status_code, code, time.monotonic() - start, ingress_seconds(r.headers.get("server-timing"))
+            timing = r.headers.get("server-timing")
+            return r.status_code, code, time.monotonic() - start, (ingress_seconds(timing),
+                                                                   ingress_seconds(timing, "gate"))
 
         async def trivial() -> float:  # the same burst's cost on a route that does nothing: Serve's share
             await gate.wait()
@@ -78,16 +80,18 @@ async def burst(url: str, requests: int, max_tokens: int, timeout: float) -> dic
     statuses = Counter(f"{status} {code}".strip() if code else str(status) for status, code, _, _ in results)
     return {"statuses": dict(statuses),
             "refused": summary([t for status, _, t, _ in results if status == 503]),
-            "refused_at_ingress": summary([t for status, _, _, t in results if status == 503 and t is not None]),
+            "refused_at_ingress": summary([t[0] for status, _, _, t in results if status == 503 and t[0] is not None]),
+            "refused_at_gate": summary([t[1] for status, _, _, t in results if status == 503 and t[1] is not None]),
             "served": summary([t for status, _, t, _ in results if status == 200]),
             "version_burst": summary(floor)}
 
 
-def ingress_seconds(header: str | None) -> float | None:
-    """``Server-Timing: ingress;dur=<ms>`` (the Ingress's time from a request's arrival to its answer)."""
+def ingress_seconds(header: str | None, name: str = "ingress") -> float | None:
+    """``Server-Timing: ingress;dur=<ms>`` (the Ingress's time from a request's arrival to its answer),
+    or another of its metrics (``gate``: the part until the Ingress's gate had decided)."""
     for metric in (header or "").split(","):
-        name, _, params = metric.strip().partition(";")
-        if name == "ingress" and params.startswith("dur="):
+        metric_name, _, params = metric.strip().partition(";")
+        if metric_name == name and params.startswith("dur="):
             return float(params[4:]) / 1000
     return None
 

@@ -132,7 +132,8 @@ class EngineGate:
     would otherwise spend the CPU the new replica needs to start, and under a burst each refusal waited
     for the parsing and tokenizing of every request before it. Every 503 the app sends (queue full,
     no engine, an engine restarting) carries Retry-After, and every response ``Server-Timing:
-    ingress;dur=<ms>``: the time from its arrival here until its answer began."""
+    ingress;dur=<ms>``: the time from its arrival here until its answer began (and, for a route the
+    gate checks, ``gate;dur=<ms>``: the part of it until the gate had decided)."""
 
     GATED = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
     GENERATING = ("/v1/completions", "/v1/chat/completions")
@@ -147,9 +148,14 @@ class EngineGate:
             return
         arrived = time.monotonic()
 
+        decided = None  # when the gate had decided (its part of the Ingress's time)
+
         async def send_timed(message) -> None:  # Server-Timing: the Ingress's time until the answer began
             if message["type"] == "http.response.start":
-                timing = f"ingress;dur={1000 * (time.monotonic() - arrived):.1f}".encode()
+                timing = f"ingress;dur={1000 * (time.monotonic() - arrived):.1f}"
+                if decided is not None:
+                    timing += f", gate;dur={1000 * (decided - arrived):.1f}"
+                timing = timing.encode()
                 message = {**message, "headers": [*message.get("headers", []), (b"server-timing", timing)]}
             await send(message)
 
@@ -159,6 +165,7 @@ class EngineGate:
                 refusal = EngineUnavailableError(NO_ENGINE)
             elif scope["path"] in self.GENERATING and self.full is not None and await self.full(self.inside):
                 refusal = OpenAIError(503, OVERLOADED_MESSAGE, "server_error", code="engine_overloaded")
+        decided = time.monotonic()
         if refusal is not None:
             response = JSONResponse(refusal.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
             await response(scope, receive, send_timed)

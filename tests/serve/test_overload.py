@@ -29,4 +29,5 @@ def test_a_burst_is_served_or_refused_at_once(model_dirs, tmp_path):
     refused = burst["statuses"].get("503 engine_overloaded", 0)
     assert refused >= 1 and burst["refused"]["count"] == burst["refused_at_ingress"]["count"] == refused
     assert burst["refused_at_ingress"]["p50_ms"] < 100
+    assert burst["refused_at_gate"]["count"] == refused and burst["refused_at_gate"]["max_ms"] <= burst["refused_at_ingress"]["max_ms"]
     assert burst["version_burst"]["count"] == 60
