@@ -1,16 +1,24 @@
 // Packed float32 matrix products (see gemm.h for the layout and why every element is one chain).
 //
-// Loop order, per thread and its share of the panels: rows in blocks of kRowBlock (their depth-
-// interleaved copy stays in L2), the depth in passes of kDepth, then each panel's kDepth x kPanel
-// block (in L1) against every row tile of the block. Written for the vector width of vec.h; the
+// Loop order: a's rows are first copied, depth-interleaved (pack_rows), by all threads. Then the work
+// is (row block of at most kRowBlock rows, panel) pairs, row block major, shared out in contiguous ranges
+// (few rows: one row block, the panels split; many rows: whole row blocks per thread, each reading
+// every panel). A thread runs its pairs kColBlock panels at a time: every depth pass of kDepth over
+// those panels, each panel's kDepth x kPanel block (in L1) against every row tile of the block, so
+// that the block's accumulators (kRowBlock x 128 floats) stay in L2 between the passes instead of
+// going to memory (a row block across all the panels is megabytes). Measured on a Zen 4 core (118
+// GFLOP/s FMA peak) with 896 x 4864, 4864 x 896 and 2048 x 5632 weights at 512 and 2048 rows, one
+// thread, CPU time: 64-97 GFLOP/s before the column blocks, 88-106 with them. Written for the vector width of vec.h; the
 // accumulator loops are unrolled by pragma so that they live in registers.
 
 #include "gemm.h"
 
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
+#include <ctime>
 #include <utility>
 #include <vector>
 
@@ -98,12 +106,31 @@ void pack_rows(const float* a, int64_t lda, int64_t m, int64_t k, int64_t rt, fl
   }
 }
 
-// Panels [p0, p1) of c, every row.
-void gemm_panels(const float* packed_a, int64_t m, int64_t k, const float* panels, const float* bias, float* c,
-                 int64_t ldc, int64_t p0, int64_t p1) {
-  const int64_t mp = padded_rows(m);
-  for (int64_t m0 = 0; m0 < mp; m0 += kRowBlock) {
-    const int64_t m1 = std::min(mp, m0 + kRowBlock);
+// The row blocks: the row tiles split as evenly as they go into as few blocks of at most kRowBlock
+// rows as hold them (so that a thread's share of the work items is its share of the FLOPs: 43 tiles
+// are blocks of 15, 14 and 14, not 20, 20 and 3).
+int64_t row_blocks(int64_t m) {
+  const int64_t tiles = padded_rows(m) / kTileRows, per_block = kRowBlock / kTileRows;
+  return (tiles + per_block - 1) / per_block;
+}
+
+// Rows [m0, m1) of row block rb of `blocks` (m1 past m for the padded rows of the last tile).
+std::pair<int64_t, int64_t> row_block(int64_t m, int64_t blocks, int64_t rb) {
+  const int64_t tiles = padded_rows(m) / kTileRows;
+  return {tiles * rb / blocks * kTileRows, tiles * (rb + 1) / blocks * kTileRows};
+}
+
+// Work items w = rb * num_panels + p in [w0, w1): row block rb (row_block) of panel p.
+// Consecutive items of one row block run kColBlock panels at a time, every depth pass over those
+// panels before the next ones: their accumulators (kRowBlock x kColBlock panels) stay in L2 between
+// passes, a panel's kDepth x kPanel block in L1 while the row tiles pass over it.
+void gemm_items(const float* packed_a, int64_t m, int64_t k, const float* panels, int64_t num_panels,
+                const float* bias, float* c, int64_t ldc, int64_t w0, int64_t w1) {
+  const int64_t mp = padded_rows(m), blocks = row_blocks(m);
+  for (int64_t w = w0; w < w1;) {
+    const int64_t rb = w / num_panels, p0 = w % num_panels;
+    const int64_t p1 = std::min({num_panels, p0 + kColBlock, p0 + (w1 - w)});
+    const auto [m0, m1] = row_block(m, blocks, rb);
     for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
       const int64_t kc = std::min(kDepth, k - k0);
       for (int64_t p = p0; p < p1; ++p) {
@@ -115,6 +142,7 @@ void gemm_panels(const float* packed_a, int64_t m, int64_t k, const float* panel
         }
       }
     }
+    w += p1 - p0;
   }
 }
 
@@ -136,18 +164,81 @@ void gemm_packed(const float* a, int64_t lda, int64_t m, int64_t k, const float*
   thread_local std::vector<float> scratch;
   if (scratch.size() < static_cast<size_t>(padded_rows(m) * k)) scratch.resize(padded_rows(m) * k);
   float* packed_a = scratch.data();
+  const int64_t items = row_blocks(m) * num_panels;
   if (!parallel) {
     for (int64_t rt = 0; rt < tiles; ++rt) pack_rows(a, lda, m, k, rt, packed_a);
-    gemm_panels(packed_a, m, k, panels, bias, c, ldc, 0, num_panels);
+    gemm_items(packed_a, m, k, panels, num_panels, bias, c, ldc, 0, items);
     return;
   }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t rt = begin; rt < end; ++rt) pack_rows(a, lda, m, k, rt, packed_a);
   });
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    gemm_panels(packed_a, m, k, panels, bias, c, ldc, begin, end);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    gemm_items(packed_a, m, k, panels, num_panels, bias, c, ldc, begin, end);
   });
 }
 
+namespace {
+
+// kFmaChains independent multiply-add chains on vectors of the kernels' width (enough to cover the
+// latency of the FMA units times their number), `iterations` times; returns a value of the chains so
+// that they are not optimised away.
+constexpr int kFmaChains = 16;
+
+float fma_loop(int64_t iterations) {
+  vf acc[kFmaChains];
+  for (int j = 0; j < kFmaChains; ++j) acc[j] = vsplat(0.001f * static_cast<float>(j));
+  vf x = vsplat(0.999999f), y = vsplat(1e-7f);
+  asm volatile("" : "+x"(x), "+x"(y));  // unknown to the compiler: the chains cannot be folded
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < kFmaChains; ++j) {
+#if defined(__AVX512F__)
+      acc[j] = reinterpret_cast<vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(acc[j]), reinterpret_cast<__m512>(x),
+                                                    reinterpret_cast<__m512>(y)));
+#elif defined(__FMA__)
+      acc[j] = reinterpret_cast<vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(acc[j]), reinterpret_cast<__m256>(x),
+                                                    reinterpret_cast<__m256>(y)));
+#else
+      acc[j] = acc[j] * x + y;
+#endif
+    }
+  }
+  vf sum = acc[0];
+  for (int j = 1; j < kFmaChains; ++j) sum += acc[j];
+  return hsum(sum);
+}
+
+}  // namespace
+
+double fma_peak(int64_t iterations, bool parallel) {
+  const double flops = 2.0 * W * kFmaChains * static_cast<double>(iterations);
+  // GFLOP/s of one run on the calling thread, timed on its own CPU clock
+  const auto run = [&] {
+    timespec start{}, end{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+    volatile float sink = fma_loop(iterations);
+    (void)sink;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &end);
+    const double seconds = static_cast<double>(end.tv_sec - start.tv_sec) + 1e-9 * static_cast<double>(end.tv_nsec - start.tv_nsec);
+    return flops / std::max(seconds, 1e-9) / 1e9;
+  };
+  if (!parallel) return run();
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> rates(threads, 0.0);  // per thread of the region (a thread given two runs counts once)
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t id = std::min<int64_t>(at::get_thread_num(), threads - 1);
+    for (int64_t t = begin; t < end; ++t) rates[id] = std::max(rates[id], run());
+  });
+  double total = 0.0;
+  for (const double rate : rates) total += rate;
+  return total;
+}
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  // GFLOP/s of multiply-adds on the kernels' vectors: the calling thread alone, or (parallel) every
+  // thread of torch's pool at once (their total)
+  m.def("fma_peak(int iterations, bool parallel=False) -> float", &fma_peak);
+}
 
 }  // namespace kvserve

@@ -21,7 +21,8 @@ namespace kvserve {
 constexpr int kPanel = 2 * W;                 // columns per packed panel
 constexpr int kTileRows = W == 16 ? 12 : 6;   // rows per register tile (2 x kTileRows accumulators)
 constexpr int64_t kDepth = 256;               // inputs per pass: a panel's kDepth x kPanel block stays in L1
-constexpr int64_t kRowBlock = 20 * kTileRows; // rows per pass over the panels: their copy stays in L2
+constexpr int64_t kRowBlock = 20 * kTileRows; // rows per block: their copy of a depth pass stays in L2
+constexpr int64_t kColBlock = 128 / kPanel;   // panels per block: a block's accumulators (kRowBlock x 128) stay in L2
 
 // dst [n / kPanel][k][kPanel] from B, whose element (row i < k, column j < n) is b[j * col_stride +
 // i * row_stride]; n must be a multiple of kPanel. A linear weight [N, K] is B's transpose:
@@ -29,9 +30,15 @@ constexpr int64_t kRowBlock = 20 * kTileRows; // rows per pass over the panels: 
 void pack_panels(const float* b, int64_t k, int64_t n, int64_t row_stride, int64_t col_stride, float* dst);
 
 // c[m, n] (rows ldc apart) = a[m, k] (rows lda apart) . B (packed by pack_panels) + bias[n] (none when
-// null). parallel: the panels are split across torch's threads; else the calling thread does all
-// (inside a parallel region of its own).
+// null). parallel: the (row block, panel) pairs are split across torch's threads (few rows: the
+// panels; many: whole row blocks); else the calling thread does all (inside a parallel region of its own).
 void gemm_packed(const float* a, int64_t lda, int64_t m, int64_t k, const float* panels, int64_t n,
                  const float* bias, float* c, int64_t ldc, bool parallel);
+
+// Multiply-adds per second (GFLOP/s) on the kernels' vectors, independent chains from registers: the
+// calling thread alone, or every thread of torch's pool at once (parallel; the sum of their rates).
+// Timed on each thread's own CPU clock, so that time the thread spends descheduled (a busy machine)
+// is not counted. The peak the products are measured against (benchmarks/gemm_peak.py).
+double fma_peak(int64_t iterations, bool parallel);
 
 }  // namespace kvserve
