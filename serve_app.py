@@ -203,6 +203,9 @@ def _use_gpu(device: str, accelerator_type: str | None = None) -> bool:
         return device == "cuda" or accelerator_type is not None
     if ray.is_initialized():
         return ray.cluster_resources().get("GPU", 0) > 0
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd")) \
+            and os.path.isdir("/dev"):
+        return False  # no GPU driver on this machine (Linux): no need to import torch (seconds) to know it
     import torch
 
     return torch.cuda.is_available()

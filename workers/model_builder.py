@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from workers.model_source import DEFAULT_MODEL, cached_model_path  # noqa: F401 - DEFAULT_MODEL: kept importable here
+
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")  # ids 0..4
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
@@ -40,7 +42,6 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 DTYPES = ("float32", "bfloat16", "float16")
-DEFAULT_MODEL = ("llama", "small", 0)
 
 # preset -> config kwargs by family. "125m" is OPT-125m's shape (and vocab) for every arch, "1b" and "odd"
 # set theirs too; any other preset takes its vocab_size from the tokenizer.
@@ -220,10 +221,10 @@ def ensure_model(arch: str = "llama", preset: str = "small", seed: int = 0, dtyp
     The cache is keyed by name only: after changing the corpus or the presets, delete the old builds.
     """
     _preset(arch, preset)
-    models_dir = Path(os.environ.get("KVSERVE_CACHE_DIR", "~/.cache/kvserve")).expanduser() / "models"
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    path = models_dir / (f"{arch}-{preset}-seed{seed}" + ("" if dtype == "float32" else f"-{dtype}"))
+    path = cached_model_path(arch, preset, seed, dtype)
+    models_dir = path.parent
     if path.is_dir():  # builds are renamed into place when complete, so a directory that exists is complete
         return path
     models_dir.mkdir(parents=True, exist_ok=True)

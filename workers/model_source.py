@@ -26,6 +26,17 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+DEFAULT_MODEL = ("llama", "small", 0)  # (arch, preset, seed) of the checkpoint served when none is given
+
+
+def cached_model_path(arch: str, preset: str, seed: int = 0, dtype: str = "float32") -> Path:
+    """Where ``workers.model_builder.ensure_model`` keeps a built preset:
+    ``$KVSERVE_CACHE_DIR/models/{arch}-{preset}-seed{seed}`` (default cache dir ~/.cache/kvserve;
+    ``-{dtype}`` appended for other dtypes than float32)."""
+    models_dir = Path(os.environ.get("KVSERVE_CACHE_DIR", "~/.cache/kvserve")).expanduser() / "models"
+    return models_dir / (f"{arch}-{preset}-seed{seed}" + ("" if dtype == "float32" else f"-{dtype}"))
+
+
 class ModelNotFoundError(ValueError):
     """``model=`` names neither a checkpoint directory nor a repo that can be found or downloaded."""
 
@@ -39,6 +50,9 @@ def resolve_model(model: str | os.PathLike | None, revision: str | None = None) 
     """The local checkpoint directory for ``model`` (see the module's docstring). Raises
     ``ModelNotFoundError`` in one sentence when there is none."""
     if model is None:
+        built = cached_model_path(*DEFAULT_MODEL)
+        if built.is_dir():  # builds are renamed into place when complete: no need for the builder (and torch)
+            return built
         from workers.model_builder import default_model_dir
 
         return default_model_dir()
