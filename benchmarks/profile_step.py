@@ -93,6 +93,31 @@ def _op_family(name: str) -> str:
     return "other torch ops"
 
 
+def _linear_flops(model, rows: int) -> float:
+    """FLOPs of a decode step's linear layers and LM head for ``rows`` sequences: 2 x rows x the
+    weights' elements (a packed weight has as many as the matrix)."""
+    from workers.layers.embedding import ParallelLMHead
+    from workers.layers.linear import ReplicatedLinear, RowParallelLinear, _ColumnShards
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (ReplicatedLinear, _ColumnShards, RowParallelLinear)):
+            total += module.weight.numel()
+        elif isinstance(module, ParallelLMHead):
+            total += (module.weight if module.packed_weight is None else module.packed_weight).numel()
+    return 2.0 * rows * total
+
+
+def _fma_peak() -> float | None:
+    """The compiled kernels' FMA peak per core (GFLOP/s, benchmarks/gemm_peak.py), None without them."""
+    from kernels.cpu import load
+
+    ops = load()
+    if ops is None or not hasattr(ops, "fma_peak"):
+        return None
+    return max(float(ops.fma_peak(200_000, False)) for _ in range(10))
+
+
 def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, shared_prefix: int = 512,
                  steps: int = 20, threads: int = 2, block_size: int = 16, attention_backend: str = "auto",
                  cascade: bool = True) -> dict:
@@ -128,6 +153,7 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
             profiled = dict(timers.total)
         runner = core.executor.worker.runner
         backend = runner.attention_backend.name
+        matmul_flops = _linear_flops(runner.model, num_seqs)
         cascade_steps = runner.batch.num_cascade_steps
     families: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
@@ -150,7 +176,7 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
         "threads": threads, "block_size": block_size, "attention_backend": backend, "cascade": cascade,
         "cascade_steps": cascade_steps, "steps": steps, "step_ms": step_ms,
         "tokens_per_s": num_seqs / (step_ms / 1000), "phases_ms": phases, "forward_ops_ms": split,
-        "profiled_op_s": op_total,
+        "profiled_op_s": op_total, "matmul_flops": matmul_flops, "fma_peak_per_core": _fma_peak(),
     }
 
 
@@ -169,8 +195,16 @@ def format_profile(result: dict) -> str:
         if phase == "logits":
             for family, fvalue in sorted(result["forward_ops_ms"].items(), key=lambda kv: -kv[1]):
                 lines.append(f"| &nbsp;&nbsp;{family} | {fvalue:.2f} | {fvalue / step:.1%} |")
-    outside = step - result["forward_ops_ms"].get("matmul", 0.0)
+    matmul_ms = result["forward_ops_ms"].get("matmul", 0.0)
+    outside = step - matmul_ms
     lines.append(f"\noutside the matrix products: {outside:.2f} ms/step ({outside / step:.1%})")
+    if matmul_ms > 0 and result.get("matmul_flops"):
+        gflops = result["matmul_flops"] / (matmul_ms / 1000) / 1e9
+        line = f"matrix products: {gflops:.1f} GFLOP/s"
+        if result.get("fma_peak_per_core"):
+            peak = result["fma_peak_per_core"] * result["threads"]
+            line += f" = {gflops / peak:.0%} of the FMA peak ({result['fma_peak_per_core']:.1f} GFLOP/s per core x {result['threads']})"
+        lines.append(line)
     return "\n".join(lines)
 
 
