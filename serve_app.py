@@ -194,6 +194,10 @@ def _accumulate(total: RequestOutput, delta: RequestOutput) -> RequestOutput:
     return merge_outputs(total, delta, RequestOutputKind.DELTA)
 
 
+# where a GPU driver shows itself (NVIDIA, ROCm, WSL2): without any, device=auto needs no torch to say CPU
+GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
 def _use_gpu(device: str, accelerator_type: str | None = None) -> bool:
     """Whether the engines run on GPUs. ``device=auto`` means CUDA when an accelerator_type is given,
     when the Ray cluster has GPUs now, or (Ray not started yet) when this machine has one. A cluster
@@ -203,8 +207,7 @@ def _use_gpu(device: str, accelerator_type: str | None = None) -> bool:
         return device == "cuda" or accelerator_type is not None
     if ray.is_initialized():
         return ray.cluster_resources().get("GPU", 0) > 0
-    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd")) \
-            and os.path.isdir("/dev"):
+    if not any(os.path.exists(p) for p in GPU_DRIVER_PATHS) and os.path.isdir("/dev"):
         return False  # no GPU driver on this machine (Linux): no need to import torch (seconds) to know it
     import torch
 

@@ -199,14 +199,17 @@ def run_client(args: argparse.Namespace, model: str, server: Server, log_dir: st
             "server_cpu_s_total": round(sum(cpu.values()), 2), "client_cpu_s": round(client_cpu, 2)}
 
 
-def _measure(name: str, args: argparse.Namespace, model: str, log_dir: str, tag: str = "") -> dict:
-    """One start of ``name``: every workload in turn, then the stop."""
+def _measure(name: str, args: argparse.Namespace, model: str, log_dir: str, tag: str = "",
+             reverse: bool = False) -> dict:
+    """One start of ``name``: every workload in turn (``reverse``: last first, so that over two rounds
+    each workload is measured once as the first after a start), then the stop."""
     start = start_kvserve if name == "kvserve" else start_vllm
     server = start(args, model, log_dir)
     runs = {}
     try:
         server_process.wait_ready(server, args.served_model_name, args.startup_timeout)
-        for dataset, concurrency in workloads(args):
+        order = workloads(args)
+        for dataset, concurrency in (reversed(order) if reverse else order):
             runs[workload_key(dataset, concurrency)] = run_client(args, model, server, log_dir, dataset, concurrency,
                                                                   tag)
     finally:
@@ -294,7 +297,7 @@ def bench_online_vllm(args: argparse.Namespace, model: str, log_dir: str | None 
     for round_ in range(1, args.rounds + 1):
         order = args.systems if round_ % 2 else list(reversed(args.systems))
         for name in order:
-            start = _measure(name, args, model, log_dir, tag=f"-r{round_}")
+            start = _measure(name, args, model, log_dir, tag=f"-r{round_}", reverse=round_ % 2 == 0)
             report["starts"].append({"system": name, "round": round_, **start})
     report["best"] = {key: {name: run["result"] for name, run in systems.items()}
                       for key, systems in best_runs(report).items()}

@@ -239,5 +239,7 @@ class AppArgs(BaseModel):
             return low, int(auto.get("max_replicas", max(1, low)))
         if "num_replicas" in self.deployment_config:
             return (int(self.deployment_config["num_replicas"]),) * 2
+        if self.num_replicas is not None:
+            return self.num_replicas, self.num_replicas
         low = self.min_replicas if self.min_replicas is not None else 1
         return low, self.max_replicas if self.max_replicas is not None else max(1, low)

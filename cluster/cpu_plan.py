@@ -11,17 +11,19 @@ core the proxy holds (an OpenMP region runs as fast as its slowest thread).
 Which cores (``bind_engine_threads``): one logical CPU per physical core, on one socket where they
 fit, that no other engine on this node has claimed. Claims live in a small file per node
 (``claims_path``), under a lock, keyed by process id, and a dead process's claim is dropped: a second
-replica on the same node takes other cores, or, when none are left, runs unbound. Binding needs the
-compiled kernels (their ``bind_threads`` op sets each OpenMP thread's affinity); without them the
-engine runs unbound and says why.
+replica on the same node takes other cores, or, when none are left, runs unbound (a replica that
+starts while the one it replaces still runs, on a node whose cores that one holds, runs unbound for
+its life). Binding needs Linux and the compiled kernels (their ``bind_threads`` op sets each OpenMP
+thread's affinity); without them, or with more threads than physical cores, the engine runs unbound
+and says why. Off Linux the node's CPUs are ``os.cpu_count()``.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -34,7 +36,8 @@ SERVING_CORES = 1  # cores left to the serving actors on larger nodes
 def cpu_topology(cpus: set[int] | None = None) -> dict[int, tuple[int, int]]:
     """Logical CPU -> (socket, physical core) for ``cpus`` (default: those this process may run on),
     from /sys; a CPU whose topology is unreadable counts as a core of its own."""
-    cpus = set(os.sched_getaffinity(0)) if cpus is None else cpus
+    if cpus is None:
+        cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     topology = {}
     for cpu in sorted(cpus):
         base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
@@ -96,6 +99,8 @@ def claim_cores(count: int, topology: dict[int, tuple[int, int]], pid: int | Non
                 path: Path | None = None) -> list[int] | None:
     """Claim ``count`` cores for process ``pid`` (default: this one) in the node's claims file; None
     where not enough are free. Claims of dead processes are dropped."""
+    import fcntl  # (POSIX; binding is Linux-only anyway)
+
     pid = os.getpid() if pid is None else pid
     path = claims_path() if path is None else path
     with open(f"{path}.lock", "a+") as lock:
@@ -117,17 +122,25 @@ def bind_engine_threads(threads: int, ops=None) -> tuple[list[int], str]:
     """Bind the calling thread's parallel regions (``threads`` threads: torch.set_num_threads first) to
     claimed cores. Returns (the cores, '') or ([], why they stay unbound). Call it on the thread that
     runs the engine's steps: OpenMP keeps one team of threads per calling thread."""
-    if ops is None:
-        from kernels.cpu import load, load_error
-
-        ops = load()
+    if not sys.platform.startswith("linux"):
+        return [], "not bound: binding threads to cores is implemented on Linux only"
+    try:
         if ops is None:
-            return [], f"not bound: the compiled kernels are unavailable ({load_error()})"
-    topology = cpu_topology()
-    cores = claim_cores(threads, topology)
-    if cores is None:
-        return [], f"not bound: fewer than {threads} free cores on this node (others are claimed by other engines)"
-    bound = list(ops.bind_threads(cores))
+            from kernels.cpu import load, load_error
+
+            ops = load()
+            if ops is None:
+                return [], f"not bound: the compiled kernels are unavailable ({load_error()})"
+        topology = cpu_topology()
+        if threads > physical_cores(topology):
+            return [], f"not bound: {threads} threads are more than this node's {physical_cores(topology)} physical cores"
+        cores = claim_cores(threads, topology)
+        if cores is None:
+            return [], f"not bound: fewer than {threads} cores of this node are free (other engines claimed them)"
+        bound = list(ops.bind_threads(cores))
+    except Exception as exc:  # noqa: BLE001 - binding is an optimisation: the engine runs unbound
+        logger.warning("binding the engine's threads failed", exc_info=True)
+        return [], f"not bound: {type(exc).__name__}"
     if bound != cores:
         return [c for c in bound if c >= 0], f"bound {sum(c >= 0 for c in bound)} of {threads} threads"
     return cores, ""

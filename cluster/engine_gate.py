@@ -165,7 +165,7 @@ class EngineGate:
                 refusal = EngineUnavailableError(NO_ENGINE)
             elif scope["path"] in self.GENERATING and self.full is not None and await self.full(self.inside):
                 refusal = OpenAIError(503, OVERLOADED_MESSAGE, "server_error", code="engine_overloaded")
-        decided = time.monotonic()
+            decided = time.monotonic()
         if refusal is not None:
             response = JSONResponse(refusal.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
             await response(scope, receive, send_timed)

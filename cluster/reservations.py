@@ -30,20 +30,21 @@ class Reservations:
 
 
 def default_engine_cpus(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | None) -> float:
-    """``engine_cpus`` when not given: 1 on a GPU or an unknown cluster; on CPU nodes each engine (or
-    rank) takes what its node leaves after the serving actors' reservations (the replica, the scheduler
-    actor at tp > 1 and the Ingress, ``DEFAULT_PROXY_CPUS`` each), the node shared by as many engine
-    groups as the replicas need per node, and never less than 1."""
+    """``engine_cpus`` when not given: 1 on a GPU, an unknown cluster or at tensor_parallel_size > 1;
+    on CPU nodes at tp = 1 each engine takes what its node leaves after the serving actors'
+    reservations (the replica and the Ingress, ``proxy_cpus`` each), the node shared by as many
+    engines as the replicas (their most, autoscaling) need per node, and never less than 1."""
     if args.engine_cpus is not None:
         return args.engine_cpus
-    if use_gpu or cpus is None:
+    tp = args.tensor_parallel_size
+    if use_gpu or cpus is None or tp > 1:  # (a rank actor runs on the one CPU it is created with)
         return 1.0
     node, total = cpus
-    tp = args.tensor_parallel_size
-    high = args.replica_range[1] if args.autoscaling else (args.num_replicas or 1)
+    high = args.replica_range[1]
     nodes = max(1, round(total / node)) if node > 0 else 1
     groups_per_node = max(1, math.ceil(high / nodes))
-    serving = DEFAULT_PROXY_CPUS * ((1 if tp == 1 else 2) + 1)
+    proxy = DEFAULT_PROXY_CPUS if args.proxy_cpus is None else args.proxy_cpus
+    serving = proxy * 2  # the replica's and the Ingress's
     per_rank = math.floor((node / groups_per_node - serving) / tp)
     if high * tp * per_rank > total:
         per_rank = math.floor(total / (high * tp))
@@ -79,7 +80,7 @@ def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | 
     change, when the reservations cannot fit: a placement group that can never be placed would leave
     every request waiting."""
     tp = args.tensor_parallel_size
-    high = args.replica_range[1] if args.autoscaling else (args.num_replicas or 1)
+    high = args.replica_range[1]
     engine_cpus = default_engine_cpus(args, use_gpu, cpus)
     compute = engine_cpus * tp  # the engine at tp = 1, the ranks above
     shared = 1 if tp == 1 else 2  # CPU-less actors beside the compute: the replica (+ the scheduler)

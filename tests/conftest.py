@@ -115,3 +115,19 @@ def hf_cache(model_dirs, tmp_path_factory) -> dict[str, str]:
     (repo / "refs" / "main").write_text(commit)
     assert (snapshot / "config.json").read_bytes() == (Path(model_dirs["llama"]) / "config.json").read_bytes()
     return {"cache": str(cache), "repo_id": HF_REPO_ID, "commit": commit, "snapshot": str(snapshot)}
+
+
+SERVE_ENV_KEYS = ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP")
+
+
+@pytest.fixture(autouse=True)
+def _serve_env_restored():
+    """``serve_app.build_app`` sets Serve's settings (``SERVE_ENV``) in this process's environment when
+    Ray is not running, as `serve run` needs; here each test finds the environment as it was."""
+    saved = {key: os.environ.get(key) for key in SERVE_ENV_KEYS}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -59,10 +59,10 @@ def test_claims_are_exclusive_and_dead_claims_are_dropped(tmp_path):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
-def test_bind_threads_pins_every_thread_of_torch_regions(threads):
-    """In a fresh process (binding changes its threads for good): after bind_threads each thread of a
-    region of the step thread runs on its core, torch's own products included (oversubscribed where
-    there are fewer CPUs than threads)."""
+def test_bind_threads_pins_every_thread_of_the_step_threads_regions(threads):
+    """In a fresh process (binding changes its threads for good): after bind_threads each thread of the
+    step thread's parallel regions runs on its core, in every later region too, after a torch product
+    ran on the same team (oversubscribed where there are fewer CPUs than threads)."""
     cpu_backend_or_skip()
     cpus = sorted(os.sched_getaffinity(0))
     cores = [cpus[i % len(cpus)] for i in range(threads)]
@@ -95,6 +95,27 @@ def test_default_engine_cpus_follow_the_node():
     assert plan((16.0, 16.0)) == (15.0, 16.0)
     assert plan((16.0, 16.0), num_replicas=2) == (7.0, 8.0)
     assert plan((16.0, 32.0), num_replicas=2) == (15.0, 16.0)  # a node each
-    assert plan((16.0, 16.0), tensor_parallel_size=2)[0] == 7.0
+    assert plan((16.0, 16.0), deployment_config={"num_replicas": 4}) == (3.0, 4.0)  # 4 replicas on one node
+    assert plan((16.0, 16.0), min_replicas=1, max_replicas=2) == (7.0, 8.0)  # room for the most
+    assert plan((16.0, 16.0), proxy_cpus=0) == (16.0, 16.0)
+    assert plan((16.0, 16.0), tensor_parallel_size=2)[0] == 1.0  # a rank actor runs on the CPU it is made with
     assert plan((16.0, 16.0), engine_cpus=3) == (3.0, 4.0)  # given: it wins
     assert plan_reservations(AppArgs(), use_gpu=True, cpus=(16.0, 16.0)).rank_cpus == 1.0
+
+
+def test_binding_refuses_more_threads_than_cores_and_never_raises(monkeypatch):
+    from cluster import cpu_plan
+
+    class Ops:
+        def bind_threads(self, cores):
+            raise RuntimeError("no such op")
+
+    cores = cpu_plan.physical_cores(cpu_plan.cpu_topology())
+    assert cpu_plan.bind_engine_threads(cores + 1, ops=Ops()) == (
+        [], f"not bound: {cores + 1} threads are more than this node's {cores} physical cores")
+    monkeypatch.setattr(cpu_plan, "claims_path", lambda: __import__("pathlib").Path(os.devnull + "-no-such-dir/x"))
+    bound, why = cpu_plan.bind_engine_threads(1, ops=Ops())  # the claims file cannot be written
+    assert bound == [] and why.startswith("not bound: ")
+    monkeypatch.setattr(cpu_plan.sys, "platform", "darwin")
+    assert cpu_plan.bind_engine_threads(1, ops=Ops()) == (
+        [], "not bound: binding threads to cores is implemented on Linux only")

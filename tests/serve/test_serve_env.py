@@ -28,3 +28,17 @@ def test_both_deployments_carry_serve_env_and_the_environment_wins(model_dirs, m
     monkeypatch.setenv("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "1")
     app = serve_app.build_app({"model": model_dirs["llama"]})
     assert _env_vars(app._bound_deployment)["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "1"
+
+
+def test_conftest_restores_every_key_build_app_sets():
+    from tests import conftest
+
+    assert set(serve_app.SERVE_ENV) == set(conftest.SERVE_ENV_KEYS)
+
+
+def test_make_serve_starts_serve_with_serve_env():
+    """`make serve` runs `serve run infra/serve_config.yaml`, which builds the app after Ray started:
+    the Makefile gives the proxy the settings in the command's environment."""
+    makefile = open(os.path.join(os.path.dirname(serve_app.__file__), "Makefile")).read()
+    line = next(line for line in makefile.splitlines() if "serve run infra/serve_config.yaml" in line)
+    assert all(f"{key}={value}" in line for key, value in serve_app.SERVE_ENV.items()), line
