@@ -42,7 +42,8 @@ demo: install
 serve: install
 	# Serve's settings for the serving path (serve_app.SERVE_ENV): a config file is built after Ray
 	# started, so the proxy gets them from here
-	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 $(BIN)/serve run infra/serve_config.yaml
+	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 RAY_SERVE_PROXY_USE_GRPC=1 \
+		$(BIN)/serve run infra/serve_config.yaml
 
 bench: install
 	$(BIN)/kvserve bench --workload all --out docs/bench

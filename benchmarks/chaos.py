@@ -100,8 +100,9 @@ def start_app(model: str | None, tensor_parallel_size: int, **extra) -> str:
     import ray
     from ray import serve
 
-    from serve_app import build_app
+    from serve_app import build_app, serve_env
 
+    serve_env()  # Serve's settings, in this process before Ray starts, as `serve run serve_app:app` has them
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -6,8 +6,9 @@ Untuned by default: each server as its command starts it with nothing set.
   own: its own RAY_TMPDIR, no RAY_ADDRESS); its threads, CPU reservations, block size and KV budget
   are its defaults.
 - vLLM: `python -m vllm.entrypoints.openai.api_server --model <dir> --dtype float32` with kvserve's
-  default `max_num_seqs` and `max_num_batched_tokens` (so both batch alike), its own thread choice
-  (no OMP_NUM_THREADS), block size and KV budget.
+  default `max_num_seqs` and `max_num_batched_tokens` (so both batch alike) and kvserve's default KV
+  bytes on a CPU (vLLM's own default reserves 92% of the node's memory and refuses to start where
+  other processes hold more than 8%), its own thread choice (no OMP_NUM_THREADS) and block size.
 `--tuned` gives both the settings of the flags (threads, block size, KV bytes), reported as such.
 
 Each round starts each system in a fresh process (alternating which goes first), waits until
@@ -64,6 +65,13 @@ def _defaults() -> tuple[int, int]:
 
     fields = AppArgs.model_fields
     return fields["max_num_seqs"].default, fields["max_num_batched_tokens"].default
+
+
+def default_kv_bytes() -> int:
+    """kvserve's KV budget on a CPU when none is given (``workers.worker.CPU_DEFAULT_KV_BYTES``)."""
+    from workers.worker import CPU_DEFAULT_KV_BYTES
+
+    return CPU_DEFAULT_KV_BYTES
 
 
 def add_bench_online_vllm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +157,8 @@ def start_vllm(args: argparse.Namespace, model: str, log_dir: str) -> Server:
     if args.tuned:
         command += ["--block-size", str(VLLM_BLOCK_SIZE), "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
         env["OMP_NUM_THREADS"] = str(args.vllm_threads or args.threads)
+    else:  # vLLM's own default asks for 92% of the node's memory, which a machine running anything else lacks
+        command += ["--kv-cache-memory-bytes", str(default_kv_bytes())]
     # cwd outside this repository: `python -m` puts the cwd first on sys.path
     return server_process.launch("vllm", command, env, log_dir, log_dir, args.vllm_port)
 

@@ -12,7 +12,8 @@ import time
 from collections import Counter
 
 from benchmarks.mixed_load import MixedLoad
-from benchmarks.chaos import Load, _outcomes, _settled_stats, _write, add_common_arguments, app_args, start_app, stop_app
+from benchmarks.chaos import (Load, _outcomes, _settled_stats, _write, add_common_arguments, app_args, engine_stats,
+                              start_app, stop_app)
 
 
 TIMELINE_S = 30.0
@@ -83,11 +84,12 @@ def rss_snapshot() -> dict[int, tuple[str, float]]:
 
 
 async def _soak(url: str, seconds: float, warmup: float, concurrency: int, max_tokens: int,
-                timeout: float, kind: str = "mixed") -> tuple[Load, dict, dict, list]:
+                timeout: float, kind: str = "mixed") -> tuple[Load, dict, dict, list, int | None]:
     load = (MixedLoad if kind == "mixed" else Load)(url, concurrency, max_tokens, timeout)
     load.start()
     try:
         await asyncio.sleep(warmup)
+        made = (await asyncio.get_running_loop().run_in_executor(None, engine_stats)).get("num_blocks_made")
         baseline = rss_snapshot()
         timeline = [(0.0, baseline)]  # every TIMELINE_S: whether a growth levels off or keeps on
         start = time.monotonic()
@@ -97,7 +99,7 @@ async def _soak(url: str, seconds: float, warmup: float, concurrency: int, max_t
         end = timeline[-1][1]
     finally:
         await load.stop()
-    return load, baseline, end, timeline
+    return load, baseline, end, timeline, made
 
 
 def run_soak(model: str | None = None, minutes: float = 10.0, warmup: float | None = None, concurrency: int = 4,
@@ -108,7 +110,7 @@ def run_soak(model: str | None = None, minutes: float = 10.0, warmup: float | No
     url = start_app(model, tensor_parallel_size, **app_args)
     try:
         print(f"[soak] {warmup:.0f}s of warm-up, then {seconds:.0f}s of load at concurrency {concurrency}", flush=True)
-        load, baseline, end, timeline = asyncio.run(
+        load, baseline, end, timeline, made_at_start = asyncio.run(
             _soak(url, seconds, warmup, concurrency, max_tokens, timeout, load_kind))
         stats = _settled_stats()
     finally:
@@ -137,13 +139,18 @@ def run_soak(model: str | None = None, minutes: float = 10.0, warmup: float | No
         "num_cached_blocks_at_end": stats["num_cached_blocks"],
         "num_requests_running_at_end": stats["num_requests_running"],
         "num_kv_blocks": stats["num_kv_blocks"],
+        # KV block objects the pool made during the measured part: its first fill (each id's block and
+        # prefix-cache entry, ~0.6 KB, made on first use) grows the scheduler actor until every id was used
+        "num_blocks_made_start": made_at_start,
+        "num_blocks_made_end": stats.get("num_blocks_made"),
     }
     for p in processes:
         print(f"[soak] {p['name']:<48} pid {p['pid']:>7}  {p['rss_start_mb']:8.1f} -> {p['rss_end_mb']:8.1f} MB "
               f"({p['growth_mb']:+.1f})", flush=True)
     print(f"[soak] {report['requests_ok']} of {report['requests']} requests ok, errors {report['outcomes']}; "
           f"KV blocks in use at the end {report['num_blocks_in_use_at_end']}; largest RSS growth "
-          f"{report['max_growth_mb']} MB", flush=True)
+          f"{report['max_growth_mb']} MB; KV blocks made {made_at_start} -> {report['num_blocks_made_end']} of "
+          f"{report['num_kv_blocks']} (the pool's first fill)", flush=True)
     return report
 
 

@@ -117,7 +117,8 @@ def hf_cache(model_dirs, tmp_path_factory) -> dict[str, str]:
     return {"cache": str(cache), "repo_id": HF_REPO_ID, "commit": commit, "snapshot": str(snapshot)}
 
 
-SERVE_ENV_KEYS = ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP")
+SERVE_ENV_KEYS = ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP",
+                  "RAY_SERVE_PROXY_USE_GRPC")
 
 
 @pytest.fixture(autouse=True)

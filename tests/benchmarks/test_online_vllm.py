@@ -113,7 +113,8 @@ def test_untuned_servers_get_nothing_but_the_shared_batch_limits(fake_python, mo
     kv_command, _ = launched["kvserve"]
     assert kv_command[1:] == ["run", "serve_app:app", "model=/m", "served_model_name=bench"]
     vllm_command, vllm_env = launched["vllm"]
-    assert "--block-size" not in vllm_command and "--kv-cache-memory-bytes" not in vllm_command
+    assert "--block-size" not in vllm_command
+    assert vllm_command[vllm_command.index("--kv-cache-memory-bytes") + 1] == str(2 << 30)  # kvserve's CPU default
     assert "OMP_NUM_THREADS" not in vllm_env  # vLLM chooses its threads
     assert vllm_command[vllm_command.index("--max-num-seqs") + 1] == "256"
     args = parse("--vllm-python", fake_python, "--kvserve-port", "8000", "--tuned", "--threads", "2")

@@ -41,6 +41,8 @@ def test_soak_reports_every_process_errors_and_blocks(model_dirs, tmp_path):
         # RSS every 30 s (one interval in a 6 s run): from the baseline to the end figure
         assert p["rss_timeline_mb"] == [[0, p["rss_start_mb"]], [6, p["rss_end_mb"]]]
     assert report["max_growth_mb"] == max(p["growth_mb"] for p in report["processes"])
+    # the pool's first fill, reported: blocks made only grow, within the pool (255 usable of 256)
+    assert 0 < report["num_blocks_made_start"] <= report["num_blocks_made_end"] <= 255
 
 
 def test_chaos_a_rank_killed_at_tp2_loses_no_request(model_dirs, tmp_path):
@@ -71,6 +73,10 @@ def test_chaos_a_killed_scheduler_actor_fails_its_requests_in_sentences_without_
     assert fault["fault"] == "scheduler" and fault["in_flight"] == 2
     assert fault["lost"] == 2 and fault["hung"] == 0  # both failed, with an answer
     assert sum(fault["error_messages"].values()) >= 2 and fault["leaked"] == []
-    assert "the engine stopped while serving this request; retry shortly" in fault["error_messages"]
+    # a request streaming when the actor died reads the first; one the replica was admitting, the second
+    stopped = {"the engine stopped while serving this request; retry shortly", "the engine stopped; retry shortly"}
+    assert stopped & set(fault["error_messages"]), fault["error_messages"]
+    assert set(fault["error_messages"]) <= stopped | {
+        "no engine replica is serving yet (starting, restarting or waiting for resources); retry shortly"}
     assert fault["recovery_s"] is not None
     assert report["num_blocks_in_use_at_end"] == 0 and report["num_requests_running_at_end"] == 0

@@ -39,6 +39,6 @@ def test_conftest_restores_every_key_build_app_sets():
 def test_make_serve_starts_serve_with_serve_env():
     """`make serve` runs `serve run infra/serve_config.yaml`, which builds the app after Ray started:
     the Makefile gives the proxy the settings in the command's environment."""
-    makefile = open(os.path.join(os.path.dirname(serve_app.__file__), "Makefile")).read()
+    makefile = open(os.path.join(os.path.dirname(serve_app.__file__), "Makefile")).read().replace("\\\n", " ")
     line = next(line for line in makefile.splitlines() if "serve run infra/serve_config.yaml" in line)
     assert all(f"{key}={value}" in line for key, value in serve_app.SERVE_ENV.items()), line
