@@ -59,8 +59,11 @@ import asyncio
 import gc
 import os
 import time
+from dataclasses import dataclass
 
 import ray
+
+from cluster.scheduler_actor import _Subscriber
 
 VARIANTS = ("full", "no_stream", "no_wait", "no_abort", "no_add_wait", "noop", "noop_sync", "noop_dict",
             "noop_params", "gen_short")
@@ -110,18 +113,28 @@ class _Probe:
                 for s in stats[:n]]
 
 
+@dataclass
+class _Item:
+    """A fake step's output for one request: what ``_Subscriber.push`` reads (``finished``)."""
+
+    id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+
+
 class FakeScheduler(_Probe):
     """SchedulerActor's per-request bookkeeping with a fake step loop instead of an engine."""
 
     def __init__(self, step_ms: float, steps: int) -> None:
-        self._subscribers: dict[str, dict] = {}
+        self._subscribers: dict[str, _Subscriber] = {}  # the scheduler actor's own
         self._finished: dict[str, asyncio.Event] = {}
         self._running: dict[str, list] = {}  # id -> [subscriber, steps left]
         self.step_s, self.steps = step_ms / 1000, steps
         self._loop_task = None
 
-    def _sub(self, name: str) -> dict:
-        return self._subscribers.setdefault(name, {"pending": [], "ready": asyncio.Event(), "ids": set()})
+    def _sub(self, name: str) -> _Subscriber:
+        return self._subscribers.setdefault(name, _Subscriber())
 
     async def _step_loop(self) -> None:
         while True:
@@ -129,13 +142,9 @@ class FakeScheduler(_Probe):
             for request_id, entry in list(self._running.items()):
                 entry[1] -= 1
                 finished = entry[1] <= 0
-                item = {"id": request_id, "token_ids": [1], "text": "x", "finished": finished}
                 sub = self._subscribers.get(entry[0])
                 if sub is not None:
-                    sub["pending"].append((request_id, item))
-                    sub["ready"].set()
-                    if finished:
-                        sub["ids"].discard(request_id)
+                    sub.push(request_id, _Item(request_id, [1], "x", finished))
                 if finished:
                     del self._running[request_id]
                     done = self._finished.pop(request_id, None)
@@ -147,16 +156,16 @@ class FakeScheduler(_Probe):
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
         self._running[request_id] = [subscriber, self.steps]
         if subscriber:
-            self._sub(subscriber)["ids"].add(request_id)
+            self._sub(subscriber).request_ids.add(request_id)
         self._finished[request_id] = asyncio.Event()
 
     async def subscribe(self, subscriber: str):
         sub = self._sub(subscriber)
         try:
             while True:
-                await sub["ready"].wait()
-                sub["ready"].clear()
-                batch, sub["pending"] = sub["pending"], []
+                await sub.ready.wait()
+                sub.ready.clear()
+                batch, sub.pending = sub.pending, []
                 yield batch
         finally:
             self._subscribers.pop(subscriber, None)
@@ -173,7 +182,7 @@ class FakeScheduler(_Probe):
 
     def sizes(self) -> dict:
         return {"subscribers": len(self._subscribers), "finished": len(self._finished), "running": len(self._running),
-                "pending": sum(len(s["pending"]) for s in self._subscribers.values())}
+                "pending": sum(len(s.pending) for s in self._subscribers.values())}
 
     async def noop(self, *args) -> None:
         return None
