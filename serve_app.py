@@ -239,6 +239,7 @@ def serve_env() -> dict[str, str]:
 def build_app(args: AppArgs | dict | None = None):
     """The application for `serve run serve_app:app key=value ...` (and `serve deploy`)."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    env_vars = serve_env()  # both deployments' (and, before Ray starts, this process's)
     # every engine setting is a flat app argument of the same name (ENGINE_KWARGS)
     config = engine_config(args.model, revision=args.revision, **{key: getattr(args, key) for key in ENGINE_KWARGS})
     use_gpu = _use_gpu(args.device, args.accelerator_type)
@@ -250,7 +251,7 @@ def build_app(args: AppArgs | dict | None = None):
     served_name = args.served_model_name or config.model.source or Path(config.model.path).name
     options: dict = {
         "name": "LLMServer",
-        "ray_actor_options": {"num_cpus": plan.replica_cpus, "runtime_env": {"env_vars": serve_env()}},
+        "ray_actor_options": {"num_cpus": plan.replica_cpus, "runtime_env": {"env_vars": env_vars}},
         "placement_group_bundles": plan.bundles,
         "placement_group_strategy": args.placement_strategy,
         # a replica takes what its engine can hold (running + waiting); each handle queues as many
@@ -285,7 +286,7 @@ def build_app(args: AppArgs | dict | None = None):
     options = _with_options(options, args.deployment_config)
     llm_server = serve.deployment(LLMServer).options(**options).bind(config, args, use_gpu, plan)
     ingress = serve.deployment(serve.ingress()(Ingress)).options(**_with_options(
-        {"name": "Ingress", "ray_actor_options": {"num_cpus": plan.ingress_cpus, "runtime_env": {"env_vars": serve_env()}},
+        {"name": "Ingress", "ray_actor_options": {"num_cpus": plan.ingress_cpus, "runtime_env": {"env_vars": env_vars}},
          "max_ongoing_requests": 10_000},
         args.ingress_deployment_config))
     min_engines = args.replica_range[0] if args.autoscaling or "num_replicas" in args.deployment_config \

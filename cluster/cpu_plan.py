@@ -119,10 +119,12 @@ def claim_cores(count: int, topology: dict[int, tuple[int, int]], pid: int | Non
     return cores
 
 
-def bind_engine_threads(threads: int, ops=None) -> tuple[list[int], str]:
+def bind_engine_threads(threads: int, ops=None, topology: dict[int, tuple[int, int]] | None = None
+                        ) -> tuple[list[int], str]:
     """Bind the calling thread's parallel regions (``threads`` threads: torch.set_num_threads first) to
     claimed cores. Returns (the cores, '') or ([], why they stay unbound). Call it on the thread that
-    runs the engine's steps: OpenMP keeps one team of threads per calling thread."""
+    runs the engine's steps: OpenMP keeps one team of threads per calling thread. ``topology``: the
+    node's (``cpu_topology()``), where the caller has read it already."""
     if not sys.platform.startswith("linux"):
         return [], "not bound: binding threads to cores is implemented on Linux only"
     try:
@@ -132,7 +134,7 @@ def bind_engine_threads(threads: int, ops=None) -> tuple[list[int], str]:
             ops = load()
             if ops is None:
                 return [], f"not bound: the compiled kernels are unavailable ({load_error()})"
-        topology = cpu_topology()
+        topology = cpu_topology() if topology is None else topology
         if threads > physical_cores(topology):
             return [], f"not bound: {threads} threads are more than this node's {physical_cores(topology)} physical cores"
         cores = claim_cores(threads, topology)

@@ -67,7 +67,7 @@ class SchedulerActor:
         logical CPUs the engine and its serving actors reserve on this node): chosen from the node
         (``cluster.cpu_plan.default_threads``). ``bind_threads``: the step thread's OpenMP threads
         are bound to cores this engine claims on the node (CPU device, tp = 1)."""
-        threads_line = None
+        threads_line = topology = None
         if torch_threads or cpu_share:
             import torch
 
@@ -90,8 +90,7 @@ class SchedulerActor:
             if bind_threads:
                 from cluster.cpu_plan import bind_engine_threads
 
-                # on the step thread: OpenMP keeps one team of threads per calling thread
-                self.bound_cores, why = self.engine._step_thread.submit(bind_engine_threads, torch_threads).result()
+                self.bound_cores, why = self.engine.on_step_thread(bind_engine_threads, torch_threads, None, topology)
                 threads_line += f", bound to cores {self.bound_cores}" if not why else f", {why}"
             print(f"kvserve engine: {threads_line}", file=sys.stderr, flush=True)
         self._subscribers: dict[str, _Subscriber] = {}

@@ -323,6 +323,11 @@ class AsyncLLM:
     def stats(self) -> dict:
         return self.core.stats()
 
+    def on_step_thread(self, fn, *args):
+        """``fn(*args)`` on the thread that runs the engine's steps, waited for (e.g. binding its
+        OpenMP threads: OpenMP keeps one team of threads per calling thread)."""
+        return self._step_thread.submit(fn, *args).result()
+
     def shutdown(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
