@@ -36,19 +36,18 @@ def default_engine_cpus(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] 
     engines as the replicas (their most, autoscaling) need per node, and never less than 1."""
     if args.engine_cpus is not None:
         return args.engine_cpus
-    tp = args.tensor_parallel_size
-    if use_gpu or cpus is None or tp > 1:  # (a rank actor runs on the one CPU it is created with)
+    if use_gpu or cpus is None or args.tensor_parallel_size > 1:  # (a rank actor runs on the one CPU it is made with)
         return 1.0
     node, total = cpus
     high = args.replica_range[1]
     nodes = max(1, round(total / node)) if node > 0 else 1
-    groups_per_node = max(1, math.ceil(high / nodes))
+    engines_per_node = max(1, math.ceil(high / nodes))
     proxy = DEFAULT_PROXY_CPUS if args.proxy_cpus is None else args.proxy_cpus
     serving = proxy * 2  # the replica's and the Ingress's
-    per_rank = math.floor((node / groups_per_node - serving) / tp)
-    if high * tp * per_rank > total:
-        per_rank = math.floor(total / (high * tp))
-    return float(max(1, per_rank))
+    per_engine = math.floor(node / engines_per_node - serving)
+    if high * per_engine > total:
+        per_engine = math.floor(total / high)
+    return float(max(1, per_engine))
 
 
 def cluster_cpus() -> tuple[float, float] | None:
