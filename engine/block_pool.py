@@ -195,6 +195,12 @@ class BlockPool:
         return self.free_queue.num_free_blocks
 
     @property
+    def num_blocks_made(self) -> int:
+        """Block objects made so far, the null block aside: each is made on its id's first use, so the
+        pool's memory grows until every id was used once (its first fill), then stays."""
+        return len(self.blocks) - 1
+
+    @property
     def num_fresh_blocks(self) -> int:
         """Free blocks never handed out (no object made yet): ids len(blocks) .. num_blocks-1."""
         return self.free_queue.num_fresh_blocks

@@ -356,9 +356,7 @@ class EngineCore(StepFailures):
             "num_blocks_in_use": pool.num_used_blocks,
             "num_kv_blocks": pool.num_blocks,
             "num_cached_blocks": pool.num_cached_blocks,
-            # block objects made so far (each on its id's first use; bounded by num_kv_blocks): the pool's
-            # first fill is memory that grows until every id was used once
-            "num_blocks_made": len(pool.blocks) - 1,
+            "num_blocks_made": pool.num_blocks_made,  # the pool's first fill (bounded by num_kv_blocks)
             "kv_cache_usage": pool.usage,
             "kv_cache_waste": self._waste_now(),
             "kv_cache_usage_peak": s.kv_peak_blocks / pool.num_usable_blocks,
