@@ -1,5 +1,5 @@
 """Build Hugging Face checkpoints from nothing: a byte-level BPE tokenizer trained on the repo's corpus and a
-randomly initialised Llama / Qwen2 / OPT made with transformers' own classes, saved in the usual layout.
+randomly initialised Llama / Qwen2 / Qwen3 / OPT made with transformers' own classes, saved in the usual layout.
 
     out/
       config.json  generation_config.json  model.safetensors (or model-0000k-of-0000n.safetensors + index)
@@ -81,11 +81,16 @@ PRESETS: dict[str, dict[str, dict]] = {
                   "tie_word_embeddings": True, "use_sliding_window": False} for p, c in _COMMON.items()},
     "opt": {p: {**c, "ffn_dim": _OPT_FFN[p], "max_position_embeddings": 2048, "do_layer_norm_before": True,
                 "word_embed_proj_dim": c["hidden_size"], "init_std": _init_std(c)} for p, c in _COMMON.items()},
+    # head_dim twice hidden / heads (Qwen3-0.6B: 1024 / 16 heads of 128), so the explicit head_dim matters
+    "qwen3": {p: {**c, **_GATED_MLP[p], "head_dim": 2 * c["hidden_size"] // c["num_attention_heads"],
+                  "initializer_range": _init_std(c), "rope_theta": 1e6, "tie_word_embeddings": True,
+                  "use_sliding_window": False} for p, c in _COMMON.items()},
 }
 _CLASSES = {  # arch -> (config class, model class), both from transformers
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "opt": ("OPTConfig", "OPTForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
 

@@ -3,6 +3,7 @@
 from workers.models.llama import LlamaForCausalLM
 from workers.models.opt import OPTForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
+from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.models.registry import (
     ARCHITECTURES,
     KVCacheShape,
@@ -17,6 +18,7 @@ __all__ = [
     "LlamaForCausalLM",
     "OPTForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
     "kv_cache_shape",
     "resolve_architecture",
     "sliding_window",

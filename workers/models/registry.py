@@ -11,12 +11,14 @@ from workers.layers.linear import kv_head_partition
 from workers.models.llama import LlamaForCausalLM
 from workers.models.opt import OPTForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
+from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.parallel_state import TPGroup
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
 }
 
