@@ -1,5 +1,6 @@
 """Build Hugging Face checkpoints from nothing: a byte-level BPE tokenizer trained on the repo's corpus and a
-randomly initialised Llama / Qwen2 / Qwen3 / OPT made with transformers' own classes, saved in the usual layout.
+randomly initialised Llama / Qwen2 / Qwen3 / Phi-3 / OPT made with transformers' own classes, saved in the usual
+layout.
 
     out/
       config.json  generation_config.json  model.safetensors (or model-0000k-of-0000n.safetensors + index)
@@ -74,6 +75,22 @@ def _init_std(common: dict) -> float:
     return round(common["hidden_size"] ** -0.5, 6)
 
 
+def _phi3(preset: str, common: dict) -> dict:
+    """Phi-4-mini's shape of rope: partial rotary (0.75 of each head) under longrope, with an original
+    context of an eighth of max_position_embeddings (tiny: 256 of 2048) so short prompts stay under it
+    and the suite's longest ones pass it; factors spread as in Phi-3's (short near 1, long up to ~8)."""
+    gated = _GATED_MLP[preset]
+    half = int(common["hidden_size"] // common["num_attention_heads"] * 0.75) // 2
+    original = gated["max_position_embeddings"] // 8
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": original,
+            "short_factor": [round(1 + 0.5 * i / half, 4) for i in range(half)],
+            "long_factor": [round(1 + 7 * i / half, 4) for i in range(half)]}
+    return {**common, **gated, "initializer_range": _init_std(common), "rms_norm_eps": 1e-5,
+            "original_max_position_embeddings": original, "rope_parameters": rope, "tie_word_embeddings": True,
+            "sliding_window": None}
+
+
 PRESETS: dict[str, dict[str, dict]] = {
     "llama": {p: {**c, **_GATED_MLP[p], "initializer_range": _init_std(c), "rms_norm_eps": 1e-5,
                   "rope_theta": 10000.0, "tie_word_embeddings": False} for p, c in _COMMON.items()},
@@ -85,12 +102,14 @@ PRESETS: dict[str, dict[str, dict]] = {
     "qwen3": {p: {**c, **_GATED_MLP[p], "head_dim": 2 * c["hidden_size"] // c["num_attention_heads"],
                   "initializer_range": _init_std(c), "rope_theta": 1e6, "tie_word_embeddings": True,
                   "use_sliding_window": False} for p, c in _COMMON.items()},
+    "phi3": {p: _phi3(p, c) for p, c in _COMMON.items()},
 }
 _CLASSES = {  # arch -> (config class, model class), both from transformers
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "opt": ("OPTConfig", "OPTForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 

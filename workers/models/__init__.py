@@ -2,6 +2,7 @@
 
 from workers.models.llama import LlamaForCausalLM
 from workers.models.opt import OPTForCausalLM
+from workers.models.phi3 import Phi3ForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.models.registry import (
@@ -17,6 +18,7 @@ __all__ = [
     "KVCacheShape",
     "LlamaForCausalLM",
     "OPTForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "kv_cache_shape",

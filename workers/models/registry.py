@@ -10,6 +10,7 @@ from engine.config import sliding_window  # noqa: F401  (the engine owns the rul
 from workers.layers.linear import kv_head_partition
 from workers.models.llama import LlamaForCausalLM
 from workers.models.opt import OPTForCausalLM
+from workers.models.phi3 import Phi3ForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.parallel_state import TPGroup
@@ -20,6 +21,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
