@@ -170,8 +170,9 @@ class LlamaModel(nn.Module):
             return False
         if first.self_attn.rotary_emb.ops is None or self.norm.ops is None:
             return False
-        if hasattr(first.self_attn, "q_norm"):  # per-head q/k norms (Qwen3): the layer-by-layer path
-            return False
+        qk_norms = None  # per-head q/k RMSNorms before rotary (Qwen3), with the layers' eps
+        if hasattr(first.self_attn, "q_norm"):
+            qk_norms = [(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight) for layer in self.layers]
         layers = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -180,7 +181,7 @@ class LlamaModel(nn.Module):
                            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias))
         a = first.self_attn.attn
         self.stack = DecoderStack(layer_ops, layers, self.norm.weight, first.self_attn.rotary_emb.cos_sin_cache,
-                                  a.num_heads, a.num_kv_heads, a.head_dim, self.norm.eps, a.scale)
+                                  a.num_heads, a.num_kv_heads, a.head_dim, self.norm.eps, a.scale, qk_norms)
         return True
 
     def forward(
