@@ -201,3 +201,21 @@ def test_phi3_su_and_default_rope_types():
     plain = Phi3ForCausalLM(phi3_config(rope={"rope_type": "default"}), TPGroup(), torch.float32, torch.device("cpu"))
     assert plain.long_rope is None
     assert plain.model.layers[0].self_attn.rotary_emb.cos_sin_cache.shape == (MAX_POSITIONS, 12)
+
+
+def test_triton_rotary_reads_the_long_rows():
+    """The Triton rotary (interpreter) over Phi-3's partial rotary at positions in both halves of the
+    LongRoPE cache, as the torch rotary computes it (the e2e tests run the Triton path below 256 tokens)."""
+    from kernels.rotary import apply_rotary_emb
+    from kernels.triton import ops
+
+    model = Phi3ForCausalLM(phi3_config(), TPGroup(), torch.float32, torch.device("cpu"))
+    cache = model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    positions = torch.tensor([0, 31, 32, 127, MAX_POSITIONS, MAX_POSITIONS + 5, 2 * MAX_POSITIONS - 1])
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(7, 4 * 16, generator=gen), torch.randn(7, 2 * 16, generator=gen)
+    want_q, want_k = apply_rotary_emb(q.view(7, 4, 16), k.view(7, 2, 16), positions, cache)
+    got_q, got_k = ops.rotary_neox_(positions, q.clone(), k.clone(), cache, 16)
+    torch.testing.assert_close(got_q, want_q.reshape(7, -1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_k, want_k.reshape(7, -1), atol=1e-6, rtol=0)
+    assert torch.equal(got_q.view(7, 4, 16)[..., 12:], q.view(7, 4, 16)[..., 12:])  # 4 of 16 dims pass through
