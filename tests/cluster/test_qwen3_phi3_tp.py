@@ -9,22 +9,21 @@ import pytest
 
 from engine import LLM
 from tests.e2e.prompts import test_prompts as make_prompts
-from tests.e2e.test_qwen3_phi3 import FAMILIES, STRESS, check, family_dirs, family_oracle, generate
+from tests.e2e.test_qwen3_phi3 import FAMILIES, STRESS, check, family_dirs, family_oracle, generate, stress_runs
 
-__all__ = ["family_dirs", "family_oracle"]  # the session fixtures
+__all__ = ["family_dirs", "family_oracle", "stress_runs"]  # the session fixtures
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_tp2_matches_hf_and_tp1(arch, ray_cluster, family_dirs, family_oracle):
-    prompts = make_prompts(family_dirs[arch])
-    with LLM(model=family_dirs[arch], **STRESS) as llm:
-        tp1_tokens, tp1 = generate(llm, prompts), llm.stats()
+def test_tp2_matches_hf_and_tp1(arch, ray_cluster, family_dirs, family_oracle, stress_runs):
+    prompts, tp1 = make_prompts(family_dirs[arch]), stress_runs(arch, "cpu")
     with LLM(model=family_dirs[arch], tensor_parallel_size=2, **STRESS) as llm:
         tokens, stats = generate(llm, prompts), llm.stats()
-    assert stats["attention_backend"] == tp1["attention_backend"] == "cpu"  # the compiled kernels on each rank
-    assert tokens == tp1_tokens
+    assert stats["attention_backend"] == tp1["stats"]["attention_backend"] == "cpu"  # compiled kernels per rank
+    assert tokens == tp1["tokens"]
     check(family_oracle(arch), prompts, tokens)
-    assert stats["kv_heads_per_rank"] == 1 and stats["kv_pool_bytes_by_rank"] == [tp1["kv_pool_bytes_per_rank"] // 2] * 2
-    assert stats["num_preemptions"] > 0 and stats["num_preemptions"] == tp1["num_preemptions"]
-    assert stats["prefix_cache_hits"] == tp1["prefix_cache_hits"] >= 288
+    assert stats["kv_heads_per_rank"] == 1
+    assert stats["kv_pool_bytes_by_rank"] == [tp1["stats"]["kv_pool_bytes_per_rank"] // 2] * 2
+    assert stats["num_preemptions"] > 0 and stats["num_preemptions"] == tp1["stats"]["num_preemptions"]
+    assert stats["prefix_cache_hits"] == tp1["stats"]["prefix_cache_hits"] >= 288
     assert stats["num_blocks_in_use"] == 0

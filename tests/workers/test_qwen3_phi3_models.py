@@ -148,6 +148,23 @@ def test_decoder_stack_matches_the_layers_to_the_bit(name, threads, ckpt):
     max_diff(stacked, c)  # and both match HF
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_every_preset_builds_a_config_the_model_takes(arch):
+    """make-model's presets for both families are configs transformers accepts (Phi-3's validates the
+    longrope factors' count) and the model classes parse."""
+    from workers.model_builder import _CLASSES, PRESETS
+
+    for preset, kwargs in PRESETS[arch].items():
+        config = getattr(transformers, _CLASSES[arch][0])(**{"vocab_size": 4096, **kwargs})
+        hf = {**config.to_dict(), "architectures": [_CLASSES[arch][1]]}
+        args = resolve_architecture(hf).parse_config(hf)
+        if arch == "qwen3":
+            assert args.head_dim == 2 * args.hidden_size // args.num_heads, preset
+        else:
+            assert args.rope["rope_type"] == "longrope" and args.rope["original_max_position_embeddings"] == (
+                args.max_position_embeddings // 8), preset
+
+
 def test_longrope_cache_matches_transformers():
     """Rows [0, original) short, [original, max) long (position-based), [max, 2 max) long for every position;
     the attention factor sqrt(1 + ln(max / original) / ln(original)) on all of them; 12 of 16 dims rotated."""
