@@ -9,9 +9,7 @@ import pytest
 
 from engine import LLM
 from tests.e2e.prompts import test_prompts as make_prompts
-from tests.e2e.test_qwen3_phi3 import FAMILIES, STRESS, check, family_dirs, family_oracle, generate, stress_runs
-
-__all__ = ["family_dirs", "family_oracle", "stress_runs"]  # the session fixtures
+from tests.e2e.families import FAMILIES, STRESS, check, generate
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -15,68 +15,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import HFOracle
+from tests.e2e.families import FAMILIES, GREEDY, check, generate
 from tests.e2e.prompts import corpus_ids
 from tests.e2e.prompts import test_prompts as make_prompts
 from tests.e2e.test_deterministic import run_with_others, target_prompt
-from tests.e2e.test_greedy_vs_hf import cascade_steps
 
-FAMILIES = ("qwen3", "phi3")
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ORIGINAL = 256  # the phi3 tiny preset's original_max_position_embeddings
-# a pool of ~1.3 long sequences and a 64-token budget: chunked prefill and preemption (as test_greedy_vs_hf)
-STRESS = dict(block_size=16, num_kv_blocks=48, max_model_len=520, max_num_batched_tokens=64, max_num_seqs=8)
-
-
-@pytest.fixture(scope="session")
-def family_dirs(tmp_path_factory) -> dict[str, str]:
-    from workers.model_builder import make_model
-
-    root = tmp_path_factory.mktemp("families")
-    return {arch: str(make_model(arch, "tiny", root / f"{arch}-tiny", seed=0)) for arch in FAMILIES}
-
-
-@pytest.fixture(scope="session")
-def family_oracle(family_dirs):
-    cache: dict[str, HFOracle] = {}
-
-    def get(arch: str) -> HFOracle:
-        if arch not in cache:
-            cache[arch] = HFOracle(family_dirs[arch])
-        return cache[arch]
-
-    return get
-
-
-def generate(llm, prompts, params=GREEDY):
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-
-
-def check(oracle, prompts, outputs):
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert len(out) == GREEDY.max_tokens
-        oracle.assert_greedy(prompt, out)
-
-
-@pytest.fixture(scope="session")
-def stress_runs(family_dirs):
-    """(arch, backend) -> the standard prompts' greedy tokens and the engine's stats under ``STRESS``, then
-    the tokens and stats of a warm rerun of prompts 3-5, whether the decoder stack ran and how many
-    steps attended shared-prefix groups (kept for the session: the TP 2 tests compare with them)."""
-    cache: dict[tuple[str, str], dict] = {}
-
-    def get(arch: str, backend: str) -> dict:
-        if (arch, backend) not in cache:
-            prompts = make_prompts(family_dirs[arch])
-            with LLM(model=family_dirs[arch], attention_backend=backend, **STRESS) as llm:
-                run = {"tokens": generate(llm, prompts), "stats": llm.stats()}
-                run["warm_tokens"], run["warm_stats"] = generate(llm, prompts[3:6]), llm.stats()
-                run["stack"] = llm.core.executor.worker.runner.model.model.stack is not None
-                run["cascade_steps"] = cascade_steps(llm)
-            cache[arch, backend] = run
-        return cache[arch, backend]
-
-    return get
 
 
 def test_the_presets_have_what_is_tested(family_dirs):
@@ -126,7 +70,7 @@ def hf_cached_decode_logits(oracle, prompt, outputs):
         out = model(torch.tensor([prompt]), use_cache=True)
         rows = [out.logits[0, -1]]
         for token in outputs[:-1]:
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[token]]), cache=out.past_key_values, use_cache=True)
             rows.append(out.logits[0, -1])
     return torch.stack(rows).float()
 
