@@ -78,15 +78,24 @@ def hf_cached_decode_logits(oracle, prompt, outputs):
 def test_phi3_decoding_across_the_original_length(family_dirs, family_oracle):
     """A 250-token prompt (short factors) decoded to 262: the tokens at positions 256 and on are rotated
     with the long factors, the cached keys keep their short rotation. That is what transformers computes
-    when it decodes with its KV cache; the engine's tokens are its greedy choices there."""
+    when it decodes with its KV cache: the engine's tokens are its greedy choices there and its logprobs
+    its log-softmax (up to position 255 that is one forward over the first 256 tokens; one forward over all
+    262, long factors everywhere, differs)."""
     ids = list(corpus_ids(f"{family_dirs['phi3']}/tokenizer.json"))
-    prompt = ids[1000:1250]
+    prompt, oracle = ids[1000:1250], family_oracle("phi3")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     for backend in ("cpu", "torch"):
         with LLM(model=family_dirs["phi3"], attention_backend=backend, enable_prefix_caching=False) as llm:
-            out = generate(llm, [prompt])[0]
-        logits = hf_cached_decode_logits(family_oracle("phi3"), prompt, out)
-        for i, token in enumerate(out):
-            assert float(logits[i, token]) >= float(logits[i].max()) - 1e-3, f"{backend}: token {i}"
+            sample = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+        out = sample.token_ids
+        cached = torch.log_softmax(hf_cached_decode_logits(oracle, prompt, out), dim=-1)
+        below = oracle.log_softmax(prompt + out[:6])[len(prompt) - 1:]  # 256 tokens: short factors throughout
+        whole = oracle.log_softmax(prompt + out)[len(prompt) - 1:-1]  # 262 tokens: long factors throughout
+        for i, (token, logprobs) in enumerate(zip(out, sample.logprobs, strict=True)):
+            assert float(cached[i, token]) >= float(cached[i].max()) - 1e-3, f"{backend}: token {i}"
+            assert abs(logprobs[token] - float(cached[i, token])) < 1e-4, f"{backend}: token {i}"
+        assert (cached[:7] - below).abs().max() < 1e-4  # positions 249-255: the same as one forward under 256
+        assert (cached[7:] - whole[7:]).abs().max() > 1e-2  # from 256 on: not what one forward over all computes
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

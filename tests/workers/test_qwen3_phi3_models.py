@@ -236,3 +236,22 @@ def test_triton_rotary_reads_the_long_rows():
     torch.testing.assert_close(got_q, want_q.reshape(7, -1), atol=1e-6, rtol=0)
     torch.testing.assert_close(got_k, want_k.reshape(7, -1), atol=1e-6, rtol=0)
     assert torch.equal(got_q.view(7, 4, 16)[..., 12:], q.view(7, 4, 16)[..., 12:])  # 4 of 16 dims pass through
+
+
+def test_phi3_legacy_config_reads_the_same():
+    """transformers-4 checkpoints (Phi-3.5-mini, Phi-4-mini): ``rope_scaling`` with ``type``, and
+    partial_rotary_factor, original_max_position_embeddings and rope_theta at the top level."""
+    from engine.config import long_rope_threshold
+
+    new = phi3_config()
+    legacy = {k: v for k, v in new.items() if k != "rope_parameters"}
+    rope = new["rope_parameters"]
+    legacy.update(rope_scaling={"type": "longrope", "short_factor": rope["short_factor"],
+                                "long_factor": rope["long_factor"]}, partial_rotary_factor=0.75, rope_theta=10000.0)
+    assert legacy["original_max_position_embeddings"] == 32 and "original_max_position_embeddings" not in legacy[
+        "rope_scaling"]
+    models = [Phi3ForCausalLM(c, TPGroup(), torch.float32, torch.device("cpu")) for c in (new, legacy)]
+    caches = [m.model.layers[0].self_attn.rotary_emb.cos_sin_cache for m in models]
+    assert torch.equal(caches[0], caches[1]) and models[1].long_rope == (32, MAX_POSITIONS)
+    assert long_rope_threshold(new) == long_rope_threshold(legacy) == 32
+    assert long_rope_threshold({"rope_scaling": {"type": "yarn", "factor": 4.0}, "model_type": "llama"}) is None
