@@ -40,9 +40,9 @@ demo: install
 
 # OpenAI API on 127.0.0.1:8000, gRPC on :9000 (see infra/serve_config.yaml); stop with Ctrl-C.
 serve: install
-	# Serve's settings for the serving path (serve_app.SERVE_ENV): a config file is built after Ray
-	# started, so the proxy gets them from here
-	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 RAY_SERVE_PROXY_USE_GRPC=1 \
+	# Serve's settings for the serving path (cluster/serve_env.py): a config file is built after Ray
+	# started, so the cluster gets them from the command's environment
+	env $$($(BIN)/python -m cluster.serve_env) \
 		$(BIN)/serve run infra/serve_config.yaml
 
 bench: install

@@ -49,6 +49,7 @@ from cluster.engine_gate import EngineGate, EngineWatch
 from cluster.ingress_client import ServeEngineClient, new_engine_id  # noqa: F401 - the Ingress's engine client
 from cluster.llm_server import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S, ROUTING_STATS_PERIOD_S, LLMServer
 from cluster.reservations import cluster_cpus, plan_reservations
+from cluster.serve_env import SERVE_ENV, effective_serve_env  # noqa: F401 - SERVE_ENV: what serve_env() sets
 from engine import SamplingParams, engine_config
 from engine.config import ModelConfig
 from engine.messages import RequestOutput, merge_outputs
@@ -214,26 +215,12 @@ def _use_gpu(device: str, accelerator_type: str | None = None) -> bool:
     return torch.cuda.is_available()
 
 
-# Serve's own settings for the serving path (read where each Serve process starts): a replica runs our
-# code on its main event loop, and a handle's router on the caller's loop, instead of each on a thread
-# of its own with a hop between loops per call and per streamed chunk; and the proxy sends requests to
-# the Ingress over the gRPC server every replica runs, instead of as Ray actor calls whose streamed
-# chunks are Ray objects. Measured under vLLM's client (shared prefix, concurrency 48, 192 prompts, 2
-# cores): the proxy, Ingress and LLMServer used 8.4 CPU-seconds with Serve's defaults, 7.5 with the
-# first two, and the proxy 3.6 -> 1.8 with the third (output tok/s 472 -> 533). An environment that
-# sets them wins.
-SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-             "RAY_SERVE_PROXY_USE_GRPC": "1"}
-
-
 def serve_env() -> dict[str, str]:
-    """``SERVE_ENV`` as this environment has it. Before Ray starts here (`serve run` starts its local
-    cluster after building the app) they are set in this process, which the cluster's processes
-    (Serve's proxy among them) inherit; the deployments carry them in their runtime_env."""
-    if not ray.is_initialized():
-        for key, value in SERVE_ENV.items():
-            os.environ.setdefault(key, value)
-    return {key: os.environ.get(key, value) for key, value in SERVE_ENV.items()}
+    """Serve's settings for the serving path (``cluster/serve_env.py``) as this environment has them.
+    Before Ray starts here (`serve run` starts its local cluster after building the app) they are set
+    in this process, which the cluster's processes (Serve's proxy among them) inherit; the deployments
+    carry them in their runtime_env."""
+    return effective_serve_env(set_here=not ray.is_initialized())
 
 
 def build_app(args: AppArgs | dict | None = None):

