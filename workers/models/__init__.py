@@ -1,5 +1,6 @@
 """Model implementations of one tensor-parallel rank, exact against Hugging Face transformers."""
 
+from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workers.models.llama import LlamaForCausalLM
 from workers.models.opt import OPTForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
@@ -13,6 +14,8 @@ from workers.models.registry import (
 
 __all__ = [
     "ARCHITECTURES",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "KVCacheShape",
     "LlamaForCausalLM",
     "OPTForCausalLM",

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from engine.config import sliding_window  # noqa: F401  (the engine owns the rule; re-exported)
 from workers.layers.linear import kv_head_partition
+from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workers.models.llama import LlamaForCausalLM
 from workers.models.opt import OPTForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
@@ -18,6 +19,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
