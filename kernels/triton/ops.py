@@ -131,10 +131,10 @@ def _paged_attention_kernel(
         else:  # (see paged_attention_launch's use_dot)
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
         if cap_out > 0:  # softcap * tanh(s * scale / softcap), in log2 units
-            x = s * cap_in
-            e = tl.exp(-2.0 * tl.abs(x))
-            t = (1.0 - e) / (1.0 + e)
-            s = tl.where(x < 0, -t, t) * cap_out
+            capped = s * cap_in
+            decay = tl.exp(-2.0 * tl.abs(capped))
+            tanh = (1.0 - decay) / (1.0 + decay)
+            s = tl.where(capped < 0, -tanh, tanh) * cap_out
         else:
             s = s * sm_scale_log2  # log2 units
         visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > below[:, None]) & pos_ok[None, :] & row_ok[:, None]
