@@ -1,6 +1,6 @@
 """The layers' elementwise ops as Triton kernels: RMSNorm with and without the residual add,
-SiLU-and-multiply and neox rotary in place (``kernels.triton.ops`` re-exports them; its ``_launch``
-runs them, so the warm-up's launch hooks see them)."""
+SiLU-and-multiply and neox rotary in place (``kernels.triton.ops`` re-exports them; ``_launch`` runs
+them, so the warm-up's launch hooks see them)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.ops import _launch, _p2
+from kernels.triton.launch import _launch, _p2
 
 
 @triton.jit

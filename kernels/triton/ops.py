@@ -24,13 +24,12 @@ softcap * tanh(s / softcap) (tanh through exp(-2|x|), which cannot overflow) bef
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# every launch goes through ``_launch`` (the warm-up's hooks see it); re-exported here
+from kernels.triton.launch import INTERPRETED, LAUNCH_HOOKS, _launch, _p2  # noqa: F401
 
 _LOG2E = 1.4426950408889634
 
@@ -45,18 +44,6 @@ _LOG2E = 1.4426950408889634
 _ATTENTION_DNS = ["stride_qt", "stride_qh", "stride_bt", "token_begin", "window"]
 _ATTENTION_DNA = ["q_ptr", "tile_seq_ptr", "tile_q_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr"]
 
-# Launch hooks (``kernels.triton.warmup``): each is called as ``hook(kernel, grid, args, constexprs)``
-# before a launch and may answer False to skip the launch (a dry run that only records).
-LAUNCH_HOOKS: list = []
-
-
-def _launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
-    run = True
-    for hook in LAUNCH_HOOKS:
-        if hook(kernel, grid, args, constexprs) is False:
-            run = False
-    if run:
-        kernel[grid](*args, **constexprs)
 
 
 @triton.jit(do_not_specialize=_ATTENTION_DNS, do_not_specialize_on_alignment=_ATTENTION_DNA)
@@ -209,10 +196,6 @@ def _store_kv_kernel(
              v, mask=mask)
 
 
-def _p2(n: int, at_least: int = 1) -> int:
-    return max(at_least, triton.next_power_of_2(max(1, int(n))))
-
-
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` ([tokens, kv_heads, d], contiguous last axis, any other strides) into
@@ -304,5 +287,5 @@ def paged_attention_launch(
         ), dict(NUM_SPLITS=num_splits, SPLITS_P2=_p2(num_splits), HEAD_DIM=head_dim, HEAD_P2=head_p2))
 
 
-# the layers' ops live beside (``kernels.triton.layer_kernels``, which imports ``_launch`` from here)
+# the layers' ops live beside (``kernels.triton.layer_kernels``)
 from kernels.triton.layer_kernels import fused_add_rms_norm, rms_norm, rotary_neox_, silu_and_mul  # noqa: E402,F401
