@@ -19,9 +19,13 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+# architectures whose sliding-window layers the kernels implement (a window per layer): their contexts
+# are not capped to the window
+WINDOWED_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+
+
 def sliding_window(hf_config: dict) -> int | None:
-    """The attention window if any layer uses one (Mistral, Qwen2 with sliding layers), else None.
-    Attention here is always full, so the engine keeps contexts within the window."""
+    """The attention window if any layer uses one (Mistral, Qwen2 with sliding layers, Gemma 2/3), else None."""
     window = hf_config.get("sliding_window")
     layer_types = hf_config.get("layer_types")
     if layer_types is not None:
@@ -81,7 +85,9 @@ class ModelConfig:
         if not architectures:
             raise ValueError(f"{root}/config.json names no architectures")
         max_positions = int(hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048)
-        window = sliding_window(hf_config)
+        # Mistral and Qwen2 attend fully here, so their contexts stay within the window; the windows of
+        # WINDOWED_ARCHITECTURES are the kernels' (per layer)
+        window = None if WINDOWED_ARCHITECTURES & set(architectures) else sliding_window(hf_config)
         limit = min(max_positions, window) if window else max_positions
         if max_model_len is None:
             max_model_len = limit

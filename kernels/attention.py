@@ -20,7 +20,12 @@ def paged_attention(
     v_pool: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Store this step's K/V, then attend for the whole mixed batch ([tokens, heads, d] in and out)."""
+    """Store this step's K/V, then attend for the whole mixed batch ([tokens, heads, d] in and out);
+    ``window`` and ``softcap`` as ``AttentionBackend.forward`` says (0: none)."""
     backend = meta.backend or TORCH_BACKEND
-    return backend.forward(query, key, value, k_pool, v_pool, meta, scale)
+    if not window and not softcap:
+        return backend.forward(query, key, value, k_pool, v_pool, meta, scale)
+    return backend.forward(query, key, value, k_pool, v_pool, meta, scale, window=window, softcap=softcap)

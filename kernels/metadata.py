@@ -111,7 +111,12 @@ class AttentionBackend(Protocol):
     supports_graphs: bool
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
-                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         """Store ``key``/``value`` ([tokens, kv_heads, d]) in their slots, then attend ``query``
-        ([tokens, heads, d]) for the whole batch -> [tokens, heads, d]."""
+        ([tokens, heads, d]) for the whole batch -> [tokens, heads, d]. ``window`` > 0: the query at
+        position p sees only the keys at positions > p - window (a sliding-window layer, transformers'
+        mask for Gemma 2/3); ``softcap`` > 0: each scaled score s becomes softcap * tanh(s / softcap)
+        before the mask (Gemma 2). Every path (decodes, prefill chunks after a cached prefix,
+        shared-prefix groups) honours both."""
         ...

@@ -9,11 +9,14 @@ import torch
 
 
 def naive_causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None, window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of ``query`` [q, heads, d] over ``key``/``value`` [k, kv_heads, d] (k >= q).
 
-    The queries are the last q positions of the k-token context: query i sees keys 0..k-q+i.
+    The queries are the last q positions of the k-token context: query i sees keys 0..k-q+i, and with
+    ``window`` > 0 only those above k-q+i-window; ``softcap`` > 0 maps each scaled score s to
+    softcap * tanh(s / softcap) before the mask.
     """
     q_len, num_heads, head_dim = query.shape
     k_len, kv_heads, _ = key.shape
@@ -23,8 +26,13 @@ def naive_causal_attention(
     v = value.double().repeat_interleave(group, dim=1).transpose(0, 1)
     q = query.double().transpose(0, 1)
     scores = q @ k.transpose(1, 2) * scale  # [heads, q, k]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     rows = torch.arange(k_len - q_len, k_len)[:, None]
-    scores = scores.masked_fill(torch.arange(k_len)[None, :] > rows, float("-inf"))
+    hidden = torch.arange(k_len)[None, :] > rows
+    if window:
+        hidden |= torch.arange(k_len)[None, :] <= rows - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1).to(query.dtype)
 
 

@@ -11,6 +11,11 @@ or unequal heads on the memory-efficient kernel send SDPA to its math path, whic
 whole [heads, q, context] score matrix (32 GiB in float32 for a 2048-token chunk after a 128k-token
 prefix at 32 heads). The repeated K/V cost heads x context x d, a small part of that.
 
+A sliding window (``window``) is a boolean mask beside the causal one (SDPA still runs it; a prefill
+reads only the keys its window reaches); soft-capped scores (``softcap``) cannot go through SDPA, so
+those layers compute the scores, cap, mask and softmax in plain torch (``_explicit_attention``: the
+[heads, q, keys] scores of one sequence, or of one decode slice, are materialised).
+
 The decode gather is the one transient that grows with the batch and its contexts: decodes are
 attended in slices whose gathered K/V stay within ``DECODE_GATHER_BYTES`` (each slice gathering up
 to its own longest context), so a long-context decode batch cannot take more memory than that."""
@@ -71,6 +76,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per request ([batch, heads, d]) against its paged context -> [batch, heads, d]."""
     batch, num_heads, head_dim = query.shape
@@ -80,9 +87,15 @@ def paged_decode_attention(
     keys = _gather(k_pool, tables).transpose(1, 2)  # [batch, kv_heads, ctx, d]
     values = _gather(v_pool, tables).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=query.device)
-    visible = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+    visible = positions[None, :] < seq_lens[:, None]
+    if window:  # the query sits at seq_len - 1: it sees positions > seq_len - 1 - window
+        visible &= positions[None, :] >= seq_lens[:, None] - window
+    visible = visible[:, None, None, :]
     grouped = query.view(batch, kv_heads, num_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible, scale=scale)
+    if window or softcap:  # explicit: padding slots past a short context must weigh exactly 0 here
+        out = _explicit_attention(grouped, keys, values, visible, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -96,6 +109,8 @@ def paged_prefill_attention(
     seq_lens: list[int],
     block_tables: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention for prefill chunks ([tokens, heads, d], concatenated), each after an
     optional cached prefix (read from the pool, where the chunk's own K/V were stored already)."""
@@ -109,9 +124,46 @@ def paged_prefill_attention(
         else:
             blocks = block_tables[i, : -(-seq_len // block_size)]
             k, v = _gather(k_pool, blocks)[:seq_len], _gather(v_pool, blocks)[:seq_len]
-        out[start:end] = _causal_sdpa(query[start:end], k, v, scale)
+        if window or softcap:
+            out[start:end] = _windowed_attention(query[start:end], k, v, scale, window, softcap)
+        else:
+            out[start:end] = _causal_sdpa(query[start:end], k, v, scale)
         start = end
     return out
+
+
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                        softcap: float) -> torch.Tensor:
+    """softmax(mask(softcap * tanh(q k^T * scale / softcap))) v (no cap where ``softcap`` is 0), as
+    transformers' eager attention computes it; ``q`` [..., m, d] against ``k``/``v`` [..., n, d],
+    ``visible`` broadcast to [..., m, n]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    v = v.masked_fill(~visible.any(dim=-2).unsqueeze(-1), 0.0)  # padding slots (any value) weigh exactly 0
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, window: int,
+                        softcap: float) -> torch.Tensor:
+    """``_causal_sdpa`` with a sliding window and/or soft-capped scores: only the keys the chunk's
+    first query's window reaches are read, the mask is explicit."""
+    q_len, num_heads, _ = query.shape
+    first = key.shape[0] - q_len  # the first query's position
+    lo = max(0, first + 1 - window) if window else 0
+    positions = torch.arange(first, first + q_len, device=query.device)[:, None]
+    keys = torch.arange(lo, key.shape[0], device=query.device)[None, :]
+    visible = keys <= positions
+    if window:
+        visible &= keys > positions - window
+    q = query.transpose(0, 1).unsqueeze(0)
+    k, v = _heads_first(key[lo:], num_heads), _heads_first(value[lo:], num_heads)
+    if softcap:
+        o = _explicit_attention(q, k, v, visible, scale, softcap)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    return o[0].transpose(0, 1)
 
 
 def _heads_first(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -147,7 +199,8 @@ class TorchAttentionBackend:
     layer_ops = None  # the layers keep their plain torch ops
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
-                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         store_kv(key, value, k_pool, v_pool, meta.slot_mapping)
         nd, num_seqs = meta.num_decodes, meta.num_seqs
         out = torch.empty_like(query)
@@ -158,13 +211,13 @@ class TorchAttentionBackend:
             for start, end, longest in decode_slices(blocks, per_token):
                 out[start:end] = paged_decode_attention(
                     query[start:end], k_pool, v_pool, meta.block_tables[start:end], meta.seq_lens[start:end],
-                    longest, scale,
+                    longest, scale, window, softcap,
                 )
             if nd == num_seqs:
                 return out
         out[nd:] = paged_prefill_attention(
             query[nd:], key[nd:], value[nd:], k_pool, v_pool, meta.query_lens[nd:], meta.context_lens[nd:],
-            meta.block_tables[nd:], scale,
+            meta.block_tables[nd:], scale, window, softcap,
         )
         return out
 

@@ -1,6 +1,6 @@
 """Build Hugging Face checkpoints from nothing: a byte-level BPE tokenizer trained on the repo's corpus and a
-randomly initialised Llama / Qwen2 / Qwen3 / Phi-3 / OPT made with transformers' own classes, saved in the usual
-layout.
+randomly initialised Llama / Qwen2 / Qwen3 / Phi-3 / OPT / Gemma 2 / Gemma 3 (text) made with transformers' own
+classes, saved in the usual layout.
 
     out/
       config.json  generation_config.json  model.safetensors (or model-0000k-of-0000n.safetensors + index)
@@ -105,12 +105,36 @@ PRESETS: dict[str, dict[str, dict]] = {
                   "use_sliding_window": False} for p, c in _COMMON.items()},
     "phi3": {p: _phi3(p, c) for p, c in _COMMON.items()},
 }
+# Gemma presets (tiny and small only): sliding windows shorter than the suite's longer prompts (500 tokens),
+# query_pre_attn_scalar unlike head_dim, and soft-caps low enough to change scores and logits of this init
+# (Gemma 2's real ones are 50 and 30). gemma2 tiny has head size 256 (four layers: sliding, global, ...);
+# gemma3 tiny six layers, five local per global, the global ones with linear rope scaling.
+_GEMMA: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=2048),
+    "small": dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=2,
+                  max_position_embeddings=4096),
+}
+_GEMMA2 = {"tiny": dict(num_hidden_layers=4, head_dim=256, sliding_window=48, query_pre_attn_scalar=64),
+           "small": dict(num_hidden_layers=8, head_dim=256, sliding_window=256, query_pre_attn_scalar=128)}
+_GEMMA3 = {"tiny": dict(num_hidden_layers=6, head_dim=64, sliding_window=40, query_pre_attn_scalar=32),
+           "small": dict(num_hidden_layers=12, head_dim=128, sliding_window=256, query_pre_attn_scalar=64)}
+PRESETS["gemma2"] = {p: {**c, **_GEMMA2[p], "initializer_range": _init_std(c), "attn_logit_softcapping": 3.0,
+                         "final_logit_softcapping": 5.0, "hidden_activation": "gelu_pytorch_tanh"}
+                     for p, c in _GEMMA.items()}
+PRESETS["gemma3"] = {p: {**c, **_GEMMA3[p], "initializer_range": _init_std(c), "final_logit_softcapping": 5.0,
+                         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                "rope_theta": 1e6},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+                     for p, c in _GEMMA.items()}
 _CLASSES = {  # arch -> (config class, model class), both from transformers
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "opt": ("OPTConfig", "OPTForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 
@@ -218,6 +242,10 @@ def _make_model(arch: str, preset: str, out: str | Path, seed: int, dtype: str, 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
+        if arch.startswith("gemma"):  # (1 + weight) norms: transformers starts them at 0, which tests nothing
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.data.normal_(0.0, 0.2)
     model.to(getattr(torch, dtype))
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID)

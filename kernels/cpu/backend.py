@@ -35,5 +35,7 @@ class CpuAttentionBackend:
                 groups.block_tables, groups.lens, groups.member_start, groups.members)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
-                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-        return self._attend(query, key, value, k_pool, v_pool, *self.metadata_args(meta), scale, meta.deterministic)
+                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
+        return self._attend(query, key, value, k_pool, v_pool, *self.metadata_args(meta), scale, meta.deterministic,
+                            window, softcap)

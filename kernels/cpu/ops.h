@@ -24,6 +24,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
                            const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                            const at::Tensor& group_member_start, const at::Tensor& group_members, double scale,
-                           bool fixed_order = false);
+                           bool fixed_order = false, int64_t window = 0, double softcap = 0.0);
 
 }  // namespace kvserve

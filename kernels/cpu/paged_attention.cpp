@@ -19,10 +19,20 @@
 // Fixed order (the engine's deterministic mode): every row takes the few-rows path (vectorised over
 // head_dim), whatever the number of rows in its item. A row's arithmetic then depends on nothing but
 // its own query and keys: each score is the same lanes' chains reduced by the same tree, each 32-key
-// tile (from position 0) is reduced in the same lanes, and a tile's keys beyond the row's limit add
-// exact zeros. So a token gets the same bits in a decode step and in a prefill chunk of any size,
+// tile (from position 0) is reduced in the same lanes, and a tile's keys beyond the row's limit (or
+// before its window) add exact zeros. So a token gets the same bits in a decode step and in a prefill chunk of any size,
 // beside any other sequences. (The row-vectorised path would do too, but pads a decode's few rows
 // to W lanes: the few-rows path keeps decodes at their usual cost and slows prefill chunks instead.)
+//
+// Sliding window (window > 0, a layer of Gemma 2/3): the query at position p sees the keys at positions
+// (p - window, p] only, transformers' mask for these models. Each row has a lower bound beside its
+// limit; an item starts at the 32-key tile holding its rows' lowest bound (the tiles skipped before it
+// would add exact zeros), and keys below a row's bound are masked like those past its limit. In the
+// group pass a member's row may see none of the shared keys (its window lies in its own suffix): the
+// pass then leaves out = 0 and lse = -inf, which the suffix pass's merge weighs as nothing.
+// Soft-capping (softcap > 0, Gemma 2): every score s (already scaled) becomes softcap * tanh(s / softcap)
+// before the mask and the softmax. Groups whose rows do not all see every shared key, and any group
+// under soft-capping, take the vector kernel rather than BLAS (group_attention.cpp has neither).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -71,7 +81,18 @@ struct Problem {
   float* lse;  // [tokens, heads], written by the group pass, read by the suffix pass
   float scale;
   bool fixed_order;  // every row on the few-rows path (see the top of this file)
+  int window;        // > 0: the sliding window (keys at positions > position - window are visible)
+  float softcap;     // > 0: scores soft-capped to (-softcap, softcap)
 };
+
+// The lowest key position the query at `position` sees.
+inline int window_lower(int window, int position) { return window > 0 ? std::max(0, position + 1 - window) : 0; }
+
+// s[i] = cap * tanh(s[i] / cap) for i < n (n a multiple of W).
+inline void soft_cap(float* s, int n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int i = 0; i < n; i += W) vstore(s + i, cap * vtanh(vload(s + i) * inv));
+}
 
 // Per-thread scratch, grown once and reused across calls.
 struct Scratch {
@@ -82,6 +103,7 @@ struct Scratch {
   std::vector<float> kv;   // [2][kKeyTile][head_dim]: a key/value tile converted to float (half types)
   std::vector<float> m, l, alpha;
   std::vector<int32_t> limit;  // per row: keys at positions < limit are visible
+  std::vector<int32_t> lower;  // per row: and at positions >= lower
 
   void reserve(int rows_padded, int head_dim) {
     const size_t rd = static_cast<size_t>(rows_padded) * head_dim;
@@ -98,6 +120,7 @@ struct Scratch {
       l.resize(rows_padded);
       alpha.resize(rows_padded);
       limit.resize(rows_padded);
+      lower.resize(rows_padded);
     }
   }
 };
@@ -150,14 +173,16 @@ void accumulate_values(float* acc, int rows, int dv, const float* alpha, const f
   }
 }
 
-// One work item: `num_tokens` query tokens (flat indices `tokens`, key limits `limits`) and the
-// query heads of KV head `kv_head` against keys [kv_begin, max limit) of block table `table`.
+// One work item: `num_tokens` query tokens (flat indices `tokens`, key limits `limits`, window
+// bounds `lowers`) and the query heads of KV head `kv_head` against keys [kv_begin, max limit) of
+// block table `table`.
 // merge: start from out/lse of an earlier pass. write_lse: record the log-sum-exp.
 // DV: head_dim / W when fixed at compile time, else 0 (head_dim a multiple of W either way, and at
 // most kMaxVectors * W).
 template <typename scalar_t, int DV>
-void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, const int32_t* limits, int num_tokens,
-            const int32_t* table, int kv_begin, bool merge, bool write_lse, Scratch& sc) {
+void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, const int32_t* limits,
+            const int32_t* lowers, int num_tokens, const int32_t* table, int kv_begin, bool merge, bool write_lse,
+            Scratch& sc) {
   // row blocks whose accumulators (RB x DV vectors) fill at most half the vector registers
   constexpr int RB = DV == 0 ? 1 : std::max(1, std::min(4, kVectorRegisters / 2 / DV));
   const int nv = DV > 0 ? DV : p.head_dim / W;
@@ -174,12 +199,17 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   float* __restrict__ l = sc.l.data();
   float* __restrict__ alpha = sc.alpha.data();
   int32_t* __restrict__ limit = sc.limit.data();
+  int32_t* __restrict__ lower = sc.lower.data();
 
-  int kv_end = 0, min_limit = std::numeric_limits<int>::max();
+  int kv_end = 0, min_limit = std::numeric_limits<int>::max(), min_lower = min_limit, max_lower = 0;
   for (int i = 0; i < num_tokens; ++i) {
     kv_end = std::max(kv_end, limits[i]);
     min_limit = std::min(min_limit, limits[i]);
+    min_lower = std::min(min_lower, lowers[i]);
+    max_lower = std::max(max_lower, lowers[i]);
   }
+  // start at the 32-key tile (counted from position 0) of the lowest visible key
+  kv_begin = std::max(kv_begin, min_lower / kKeyTile * kKeyTile);
   // scores vectorised over rows; else over head_dim (decode-sized items, and every item in fixed order)
   const bool by_rows = !p.fixed_order && rows >= W / 2;
 
@@ -190,6 +220,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     float* dst = q + r * d;
     for (int k = 0; k < d; ++k) dst[k] = to_float(src[k]) * p.scale;
     limit[r] = limits[r / g];
+    lower[r] = lowers[r / g];
     float* a = acc + r * d;
     if (merge) {
       const scalar_t* o = p.out + tok * p.out_tok_stride + head * d;
@@ -204,6 +235,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   }
   for (int r = rows; r < rows_padded; ++r) {
     limit[r] = 0;
+    lower[r] = 0;
     m[r] = kNegInf;
     l[r] = 0.0f;
   }
@@ -254,7 +286,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
       }
     }
     std::swap(slots, next_slots);
-    const bool masked = start + n > min_limit;
+    const bool masked = start + n > min_limit || start < max_lower;
     if (by_rows) {
       // s[j * rows_padded + r] = q_r . k_j, W rows per vector; 2W rows x 4 keys per pass where
       // there are 2W rows (each key element loaded once for both vectors), else W x 4
@@ -321,10 +353,11 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
           vstore(s + j * rows_padded + c, a0);
         }
       }
+      if (p.softcap > 0.0f) soft_cap(s, n * rows_padded, p.softcap);
       if (masked) {
         for (int j = 0; j < n; ++j)
           for (int r = 0; r < rows; ++r)
-            if (start + j >= limit[r]) s[j * rows_padded + r] = kNegInf;
+            if (start + j >= limit[r] || start + j < lower[r]) s[j * rows_padded + r] = kNegInf;
       }
       for (int c = 0; c < rows_padded; c += W) {
         const vf m_old = vload(m + c);
@@ -361,12 +394,13 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
           vstore(s + r * kKeyTile + j0, transpose_sum(part));
         }
       }
+      if (p.softcap > 0.0f) soft_cap(s, rows * kKeyTile, p.softcap);
       for (int r = 0; r < rows; ++r) {
         float* sr = s + r * kKeyTile;
         for (int j = n; j < kKeyTile; ++j) sr[j] = kNegInf;
         if (masked)
           for (int j = 0; j < n; ++j)
-            if (start + j >= limit[r]) sr[j] = kNegInf;
+            if (start + j >= limit[r] || start + j < lower[r]) sr[j] = kNegInf;
         vf mv = vsplat(m[r]);
         for (int c = 0; c < kKeyTile; c += W) mv = vmax(mv, vload(sr + c));
         const float mx = hmax(mv);
@@ -399,7 +433,8 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
 // Any head_dim: plain loops, one row and one key at a time (head sizes that are not a multiple of W).
 template <typename scalar_t>
 void attend_scalar(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, const int32_t* limits,
-                   int num_tokens, const int32_t* table, int kv_begin, bool merge, bool write_lse) {
+                   const int32_t* lowers, int num_tokens, const int32_t* table, int kv_begin, bool merge,
+                   bool write_lse) {
   const int d = p.head_dim, g = p.group_size;
   std::vector<float> q(d), acc(d);
   for (int i = 0; i < num_tokens; ++i) {
@@ -416,19 +451,21 @@ void attend_scalar(const Problem<scalar_t>& p, int kv_head, const int32_t* token
       } else {
         std::fill(acc.begin(), acc.end(), 0.0f);
       }
-      for (int pos = kv_begin; pos < limits[i]; ++pos) {
+      for (int pos = std::max(kv_begin, lowers[i]); pos < limits[i]; ++pos) {
         const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_stride +
                              static_cast<int64_t>(pos % p.block_size) * p.slot_stride +
                              static_cast<int64_t>(kv_head) * d;
         float score = 0.0f;
         for (int k = 0; k < d; ++k) score += q[k] * to_float(p.k_pool[slot + k]);
+        if (p.softcap > 0.0f) score = p.softcap * std::tanh(score / p.softcap);
         const float mx = std::max(m, score);
         const float alpha = std::exp(m - mx), e = std::exp(score - mx);
         l = l * alpha + e;
         for (int k = 0; k < d; ++k) acc[k] = acc[k] * alpha + e * to_float(p.v_pool[slot + k]);
         m = mx;
       }
-      for (int k = 0; k < d; ++k) o[k] = static_cast<scalar_t>(acc[k] / l);
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw no key (a window past a group's keys)
+      for (int k = 0; k < d; ++k) o[k] = static_cast<scalar_t>(acc[k] * inv);
       if (write_lse) p.lse[static_cast<int64_t>(tok) * p.num_heads + h] = m + std::log(l);
     }
   }
@@ -446,7 +483,8 @@ struct Item {
 
 template <typename scalar_t, int DV>
 void run_pass(const Problem<scalar_t>& p, std::vector<Item>& items, const std::vector<int32_t>& tokens,
-              const std::vector<int32_t>& limits, const int32_t* tables, int64_t table_stride, bool write_lse) {
+              const std::vector<int32_t>& limits, const std::vector<int32_t>& lowers, const int32_t* tables,
+              int64_t table_stride, bool write_lse) {
   const int64_t n = static_cast<int64_t>(items.size());
   if (n == 0) return;
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -459,12 +497,14 @@ void run_pass(const Problem<scalar_t>& p, std::vector<Item>& items, const std::v
       const Item& it = items[i];
       const int32_t* toks = tokens.data() + it.token_begin;
       const int32_t* lims = limits.data() + it.token_begin;
+      const int32_t* lows = lowers.data() + it.token_begin;
       const int32_t* table = tables + it.table * table_stride;
       if (vector_path)
-        attend<scalar_t, DV>(p, it.kv_head, toks, lims, it.num_tokens, table, it.kv_begin, it.merge, write_lse,
-                             scratch);
+        attend<scalar_t, DV>(p, it.kv_head, toks, lims, lows, it.num_tokens, table, it.kv_begin, it.merge,
+                             write_lse, scratch);
       else
-        attend_scalar<scalar_t>(p, it.kv_head, toks, lims, it.num_tokens, table, it.kv_begin, it.merge, write_lse);
+        attend_scalar<scalar_t>(p, it.kv_head, toks, lims, lows, it.num_tokens, table, it.kv_begin, it.merge,
+                                write_lse);
     }
   });
 }
@@ -586,22 +626,28 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
     const int32_t* glens = group_lens.data_ptr<int32_t>();
     const int32_t* gstart = group_member_start.data_ptr<int32_t>();
     const int32_t* members = group_members.data_ptr<int32_t>();
-    std::vector<int32_t> tokens, limits;
+    std::vector<int32_t> tokens, limits, lowers;
     std::vector<Item> items, blas_items;
-    // large groups (every key visible to every row: two matrix products) through BLAS
-    const bool blas = std::is_same_v<scalar_t, float> && !p.fixed_order && group_blas_available();
+    // large groups (every key visible to every row: two matrix products) through BLAS; not with
+    // soft-capped scores, nor for a group some of whose rows' windows leave out shared keys
+    const bool blas = std::is_same_v<scalar_t, float> && !p.fixed_order && p.softcap <= 0.0f &&
+                      group_blas_available();
     for (int gi = 0; gi < num_groups; ++gi) {
       const int begin = static_cast<int>(tokens.size());
+      int highest_lower = 0;
       for (int mi = gstart[gi]; mi < gstart[gi + 1]; ++mi) {
         const int s = members[mi];
+        const int first_pos = lens[s] - (qsl[s + 1] - qsl[s]);
         for (int t = qsl[s]; t < qsl[s + 1]; ++t) {
           tokens.push_back(t);
           limits.push_back(glens[gi]);
+          lowers.push_back(std::min(window_lower(p.window, first_pos + t - qsl[s]), glens[gi]));
+          highest_lower = std::max(highest_lower, lowers.back());
         }
       }
       const int end = static_cast<int>(tokens.size());
       const int rows = (end - begin) * g;
-      const bool by_blas = blas && rows >= kGroupMinRows;
+      const bool by_blas = blas && highest_lower == 0 && rows >= kGroupMinRows;
       // tiles of up to kGroupTileRows rows, split further while the KV heads alone leave threads idle
       const int parts = std::max(1, (static_cast<int>(at::get_num_threads()) + p.num_kv_heads - 1) / p.num_kv_heads);
       const int tile = std::clamp((rows + parts - 1) / parts, kGroupMinRows, kGroupTileRows);
@@ -614,12 +660,12 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
     }
     run_group_blas<scalar_t>(p, blas_items, tokens, limits, group_block_tables.data_ptr<int32_t>(),
                              group_block_tables.stride(0));
-    run_pass<scalar_t, DV>(p, items, tokens, limits, group_block_tables.data_ptr<int32_t>(),
+    run_pass<scalar_t, DV>(p, items, tokens, limits, lowers, group_block_tables.data_ptr<int32_t>(),
                           group_block_tables.stride(0), true);
   }
 
   // per-sequence pass (the suffix after a shared prefix, or the whole context), causal
-  std::vector<int32_t> tokens, limits;
+  std::vector<int32_t> tokens, limits, lowers;
   std::vector<Item> items;
   for (int s = 0; s < num_seqs; ++s) {
     const int q_begin = qsl[s], q_len = qsl[s + 1] - qsl[s];
@@ -630,15 +676,17 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
     for (int i = 0; i < q_len; ++i) {
       tokens.push_back(q_begin + i);
       limits.push_back(first_pos + i + 1);
+      lowers.push_back(window_lower(p.window, first_pos + i));
     }
     for (int h = 0; h < p.num_kv_heads; ++h)
       for (int i = 0; i < q_len; i += tokens_per_item) {
         const int nt = std::min(tokens_per_item, q_len - i);
+        const int from = std::max(kv_begin, lowers[begin + i]);  // the item's lowest visible key
         items.push_back({begin + i, nt, h, s, kv_begin, kv_begin > 0,
-                         static_cast<int64_t>(nt) * (first_pos + i + nt - kv_begin)});
+                         static_cast<int64_t>(nt) * (first_pos + i + nt - from)});
       }
   }
-  run_pass<scalar_t, DV>(p, items, tokens, limits, block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+  run_pass<scalar_t, DV>(p, items, tokens, limits, lowers, block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                         false);
 }
 
@@ -721,7 +769,10 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                          const at::Tensor& kv_starts, const at::Tensor& group_block_tables,
                          const at::Tensor& group_lens, const at::Tensor& group_member_start,
-                         const at::Tensor& group_members, double scale, bool fixed_order) {
+                         const at::Tensor& group_members, double scale, bool fixed_order, int64_t window,
+                         double softcap) {
+  TORCH_CHECK(window >= 0 && window <= std::numeric_limits<int32_t>::max(), "window must be >= 0, got ", window);
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "softcap must be finite and >= 0, got ", softcap);
   const int64_t tokens = query.size(0), heads = query.size(1);
   at::Tensor lse;
   if (group_lens.numel()) lse = at::empty({tokens, heads}, query.options().dtype(at::kFloat));
@@ -746,6 +797,8 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
     p.lse = lse.defined() ? lse.data_ptr<float>() : nullptr;
     p.scale = static_cast<float>(scale);
     p.fixed_order = fixed_order;
+    p.window = static_cast<int>(window);
+    p.softcap = static_cast<float>(softcap);
     auto run = [&](auto dim) {
       paged_attention_impl<scalar_t, decltype(dim)::value>(p, block_tables, query_start_loc, seq_lens, kv_starts,
                                                            group_block_tables, group_lens, group_member_start,
@@ -771,13 +824,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
                            const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                            const at::Tensor& group_member_start, const at::Tensor& group_members, double scale,
-                           bool fixed_order) {
+                           bool fixed_order, int64_t window, double softcap) {
   check_attention(query, k_pool, v_pool, block_tables, query_start_loc, seq_lens, kv_starts, group_block_tables,
                   group_lens, group_member_start, group_members);
   store_kv(key, value, k_pool, v_pool, slot_mapping);
   at::Tensor out = at::empty(query.sizes(), query.options());
   paged_attention_out(out, query, k_pool, v_pool, block_tables, query_start_loc, seq_lens, kv_starts,
-                      group_block_tables, group_lens, group_member_start, group_members, scale, fixed_order);
+                      group_block_tables, group_lens, group_member_start, group_members, scale, fixed_order, window,
+                      softcap);
   return out;
 }
 
@@ -786,7 +840,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, "
       "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, "
       "Tensor group_block_tables, Tensor group_lens, Tensor group_member_start, Tensor group_members, "
-      "float scale, bool fixed_order=False) -> Tensor");
+      "float scale, bool fixed_order=False, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {

@@ -126,4 +126,13 @@ inline vf vsilu(vf x) {
 }
 inline float ssilu(float x) { return vsilu(vsplat(x))[0]; }
 
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, so that vexp covers every x (the
+// soft-capping of attention scores: cap * tanh(s / cap)).
+inline vf vtanh(vf x) {
+  const vf zero = vsplat(0.0f);
+  const vf e = vexp(x > zero ? -2.0f * x : 2.0f * x);
+  const vf t = (1.0f - e) / (1.0f + e);
+  return x < zero ? -t : t;
+}
+
 }  // namespace kvserve

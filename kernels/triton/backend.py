@@ -198,7 +198,8 @@ class TritonAttentionBackend:
         return launches
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
-                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+                v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         num_heads, kv_heads = query.shape[1], k_pool.shape[2]
         if num_heads % kv_heads or query.dtype != k_pool.dtype or key.dtype != k_pool.dtype:
             raise ValueError(f"triton attention: {num_heads} query heads of {query.dtype} over {kv_heads} KV heads "
@@ -211,6 +212,6 @@ class TritonAttentionBackend:
                 query, k_pool, v_pool, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 launch.tile_seq, launch.tile_q, launch.token_begin, launch.num_tokens, scale,
                 launch.block_q, self.block_n, launch.num_splits, use_dot=not (meta.deterministic and ops.INTERPRETED),
-                scratch=scratch,
+                scratch=scratch, window=window, softcap=softcap,
             )
         return out

@@ -1,6 +1,6 @@
 """Triton kernels: paged attention for a whole mixed step (split-KV with a log-sum-exp reduce), the
-KV store by slot mapping, RMSNorm with and without the residual add, SiLU-and-multiply and neox
-rotary in place.
+KV store by slot mapping; RMSNorm with and without the residual add, SiLU-and-multiply and neox
+rotary in place (``kernels.triton.layer_kernels``, re-exported here).
 
 Importing this module imports Triton and decorates the kernels: ``TRITON_INTERPRET=1`` must be set
 before that for them to run on CPU tensors under the interpreter (``INTERPRETED`` records which).
@@ -14,17 +14,22 @@ pool's block size), so any block size works, powers of two or not. With ``NUM_SP
 range of a tile is cut into that many contiguous parts, each its own program (flash-decoding): they
 write unnormalised partial outputs with their running max and sum, and a reduce kernel merges them
 by log-sum-exp.
+
+Sliding window and soft-capping (Gemma 2/3) are runtime arguments, not constexprs, so they add no
+variant: ``window`` > 0 hides from the query at position p the keys at positions <= p - window (a tile
+starts at the key tile holding its first query's lowest visible key; skipped tiles would add exact
+zeros, so deterministic mode keeps its bits), and ``softcap`` > 0 maps each scaled score s to
+softcap * tanh(s / softcap) (tanh through exp(-2|x|), which cannot overflow) before the mask.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# every launch goes through ``_launch`` (the warm-up's hooks see it); re-exported here
+from kernels.triton.launch import INTERPRETED, LAUNCH_HOOKS, _launch, _p2  # noqa: F401
 
 _LOG2E = 1.4426950408889634
 
@@ -36,28 +41,16 @@ _LOG2E = 1.4426950408889634
 # engine launches are fixed by its configuration alone (``kernels.triton.warmup`` compiles them all
 # at start). The pool's, the output's and the norms' strides stay specialised: they are fixed by
 # the configuration, and their divisibility lets the compiler vectorise the loads.
-_ATTENTION_DNS = ["stride_qt", "stride_qh", "stride_bt", "token_begin"]
+_ATTENTION_DNS = ["stride_qt", "stride_qh", "stride_bt", "token_begin", "window"]
 _ATTENTION_DNA = ["q_ptr", "tile_seq_ptr", "tile_q_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr"]
 
-# Launch hooks (``kernels.triton.warmup``): each is called as ``hook(kernel, grid, args, constexprs)``
-# before a launch and may answer False to skip the launch (a dry run that only records).
-LAUNCH_HOOKS: list = []
-
-
-def _launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
-    run = True
-    for hook in LAUNCH_HOOKS:
-        if hook(kernel, grid, args, constexprs) is False:
-            run = False
-    if run:
-        kernel[grid](*args, **constexprs)
 
 
 @triton.jit(do_not_specialize=_ATTENTION_DNS, do_not_specialize_on_alignment=_ATTENTION_DNA)
 def _paged_attention_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, out_ptr, part_ptr, part_m_ptr, part_l_ptr,
     tile_seq_ptr, tile_q_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
-    sm_scale_log2,
+    sm_scale_log2, cap_in, cap_out, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -94,12 +87,15 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
-    # keys this tile needs: up to the last query's position (causal), split in NUM_SPLITS parts
+    # keys this tile needs: up to the last query's position (causal), from the first query's window,
+    # split in NUM_SPLITS parts
     last_q = tl.minimum(q_off + BLOCK_Q, q_len) - 1
     kv_end = prefix + last_q + 1
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    start_tile = split * per_split
+    first_tile = tl.where(window > 0, tl.maximum(prefix + q_off + 1 - window, 0), 0) // BLOCK_N
+    per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    start_tile = first_tile + split * per_split
+    below = tl.where(window > 0, q_pos - window, -1)  # each row sees the keys past it
     end_tile = tl.minimum(start_tile + per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -118,10 +114,17 @@ def _paged_attention_kernel(
         v = tl.load(v_pool_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
                     + dims[None, :], mask=kv_ok, other=0.0)
         if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         else:  # (see paged_attention_launch's use_dot)
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * sm_scale_log2
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :] & row_ok[:, None]
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+        if cap_out > 0:  # softcap * tanh(s * scale / softcap), in log2 units
+            capped = s * cap_in
+            decay = tl.exp(-2.0 * tl.abs(capped))
+            tanh = (1.0 - decay) / (1.0 + decay)
+            s = tl.where(capped < 0, -tanh, tanh) * cap_out
+        else:
+            s = s * sm_scale_log2  # log2 units
+        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > below[:, None]) & pos_ok[None, :] & row_ok[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
@@ -193,66 +196,6 @@ def _store_kv_kernel(
              v, mask=mask)
 
 
-@triton.jit
-def _rms_norm_kernel(
-    x_ptr, residual_ptr, out_ptr, weight_ptr, hidden, eps, stride_x, stride_r, stride_o,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_RESIDUAL:  # residual += x (rounded to the storage type), then normalise the residual
-        x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
-        x = x.to(residual_ptr.dtype.element_ty)
-        tl.store(residual_ptr + row * stride_r + cols, x, mask=ok)
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
-    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    # weight * (x * inv) with the product rounded to the storage type first, as the torch version
-    normed = (xf * inv).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=ok, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded, as torch does
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
-def _rotary_neox_kernel(
-    positions_ptr, q_ptr, k_ptr, cache_ptr, stride_q, stride_k, stride_cache, num_q_heads, num_k_heads,
-    head_dim, HALF: tl.constexpr, HALF_P2: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    i = tl.arange(0, HALF_P2)
-    ok = i < HALF
-    if head < num_q_heads:
-        base = q_ptr + token * stride_q + head * head_dim
-    else:
-        base = k_ptr + token * stride_k + (head - num_q_heads) * head_dim
-    x1 = tl.load(base + i, mask=ok, other=0.0)
-    x2 = tl.load(base + HALF + i, mask=ok, other=0.0)
-    # cos and sin rounded to the storage type first, as the torch version casts them
-    c = tl.load(cache_ptr + pos * stride_cache + i, mask=ok, other=0.0).to(x1.dtype).to(tl.float32)
-    s = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=ok, other=0.0).to(x1.dtype).to(tl.float32)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base + i, (a * c - b * s).to(x1.dtype), mask=ok)
-    tl.store(base + HALF + i, (b * c + a * s).to(x1.dtype), mask=ok)
-
-
-def _p2(n: int, at_least: int = 1) -> int:
-    return max(at_least, triton.next_power_of_2(max(1, int(n))))
-
-
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` ([tokens, kv_heads, d], contiguous last axis, any other strides) into
@@ -298,7 +241,7 @@ def paged_attention_launch(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     tile_seq: torch.Tensor, tile_q: torch.Tensor, token_begin: int, num_tokens: int,
     scale: float, block_q: int, block_n: int, num_splits: int, use_dot: bool = True,
-    scratch: SplitScratch | None = None,
+    scratch: SplitScratch | None = None, window: int = 0, softcap: float = 0.0,
 ) -> None:
     """Attend the tiles (``tile_seq``, ``tile_q``) of one launch, writing ``out`` rows
     [token_begin, token_begin + num_tokens); ``num_splits`` > 1 splits each tile's keys and merges
@@ -306,7 +249,8 @@ def paged_attention_launch(
     without splits). ``use_dot=False`` takes the products as multiplies and sums
     instead of ``tl.dot``: under the interpreter ``tl.dot`` is numpy's BLAS, whose result for a query
     row depends on the row's place in the tile, which batch-invariant attention (``deterministic``)
-    cannot have (and which misreads bfloat16, so bfloat16 takes the sums there too)."""
+    cannot have (and which misreads bfloat16, so bfloat16 takes the sums there too). ``window`` and
+    ``softcap``: see the module's docstring (0: none)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_pool.shape[2]
     group = num_heads // kv_heads
@@ -327,7 +271,8 @@ def paged_attention_launch(
     _launch(_paged_attention_kernel, grid, (
         query, k_pool, v_pool, out, part, part_m, part_l,
         tile_seq, tile_q, query_start_loc, seq_lens, block_tables,
-        scale * _LOG2E,
+        scale * _LOG2E, scale / softcap if softcap > 0 else 0.0, softcap * _LOG2E if softcap > 0 else 0.0,
+        int(window),
         query.stride(0), query.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3],
         out.stride(0), out.stride(1),
         block_tables.stride(0),
@@ -342,58 +287,5 @@ def paged_attention_launch(
         ), dict(NUM_SPLITS=num_splits, SPLITS_P2=_p2(num_splits), HEAD_DIM=head_dim, HEAD_P2=head_p2))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, into a new tensor."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        _launch(_rms_norm_kernel, (rows.shape[0],), (rows, rows, out, weight, rows.shape[1], eps, rows.stride(0), 0,
-                                                     out.stride(0)), dict(HAS_RESIDUAL=False, BLOCK=_p2(rows.shape[1])))
-    return out.view(x.shape)
-
-
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place: ``residual += x``, ``x = rms_norm(residual)``; returns (x, residual).
-    Both [rows, hidden] with a contiguous last axis."""
-    if x.dim() != 2 or x.stride(1) != 1 or residual.shape != x.shape or residual.stride(1) != 1:
-        raise ValueError("fused_add_rms_norm takes x and residual of one [rows, hidden] shape, last axis contiguous")
-    if x.shape[0]:
-        _launch(_rms_norm_kernel, (x.shape[0],), (x, residual, x, weight, x.shape[1], eps, x.stride(0),
-                                                  residual.stride(0), x.stride(0)),
-                dict(HAS_RESIDUAL=True, BLOCK=_p2(x.shape[1])))
-    return x, residual
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]`` for x [..., 2d]."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    d = rows.shape[1] // 2
-    out = torch.empty(rows.shape[0], d, dtype=x.dtype, device=x.device)
-    if rows.shape[0] and d:
-        block = min(1024, _p2(d))
-        _launch(_silu_and_mul_kernel, (rows.shape[0], triton.cdiv(d, block)), (rows, out, d, rows.stride(0),
-                                                                                out.stride(0)), dict(BLOCK=block))
-    return out.view(*x.shape[:-1], d)
-
-
-def rotary_neox_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox rotary in place over query [T, heads * d] and key [T, kv_heads * d] (rows may be strided
-    views of a fused qkv output); ``cos_sin_cache`` [max_positions, rotary_dim] float32, cosines first."""
-    if query.dim() != 2 or key.dim() != 2 or query.stride(1) != 1 or key.stride(1) != 1:
-        raise ValueError("rotary_neox_ takes query and key as [tokens, heads * head_dim] with a contiguous last axis")
-    rot = cos_sin_cache.shape[1]
-    if rot % 2 or rot > head_dim or query.shape[1] % head_dim or key.shape[1] % head_dim:
-        raise ValueError(f"rotary_neox_: rotary_dim {rot} and the widths must fit head_dim {head_dim}")
-    num_q, num_k = query.shape[1] // head_dim, key.shape[1] // head_dim
-    if query.shape[0]:
-        _launch(_rotary_neox_kernel, (query.shape[0], num_q + num_k), (
-            positions, query, key, cos_sin_cache, query.stride(0), key.stride(0), cos_sin_cache.stride(0),
-            num_q, num_k, head_dim,
-        ), dict(HALF=rot // 2, HALF_P2=_p2(rot // 2)))
-    return query, key
+# the layers' ops live beside (``kernels.triton.layer_kernels``)
+from kernels.triton.layer_kernels import fused_add_rms_norm, rms_norm, rotary_neox_, silu_and_mul  # noqa: E402,F401

@@ -13,12 +13,17 @@ class Attention(nn.Module):
 
     q [T, num_heads * head_dim], k/v [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim]; the
     step's K/V are stored in ``kv_cache`` (k_pool, v_pool: [blocks, block_size, num_kv_heads, head_dim])
-    before attending.
+    before attending. ``window`` > 0: a sliding-window layer (the query at position p sees the keys at
+    positions > p - window); ``softcap`` > 0: scores soft-capped to softcap * tanh(s / softcap).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0,
+                 softcap: float = 0.0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        if window < 0 or softcap < 0:
+            raise ValueError(f"attention window and soft-cap must be >= 0, got {window} and {softcap}")
+        self.window, self.softcap = int(window), float(softcap)
 
     def forward(
         self,
@@ -37,5 +42,7 @@ class Attention(nn.Module):
             kv_cache[1],
             meta,
             self.scale,
+            self.window,
+            self.softcap,
         )
         return out.view(t, self.num_heads * self.head_dim)

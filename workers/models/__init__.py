@@ -1,5 +1,6 @@
 """Model implementations of one tensor-parallel rank, exact against Hugging Face transformers."""
 
+from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workers.models.llama import LlamaForCausalLM
 from workers.models.opt import OPTForCausalLM
 from workers.models.phi3 import Phi3ForCausalLM
@@ -15,6 +16,8 @@ from workers.models.registry import (
 
 __all__ = [
     "ARCHITECTURES",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "KVCacheShape",
     "LlamaForCausalLM",
     "OPTForCausalLM",

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from engine.config import sliding_window  # noqa: F401  (the engine owns the rule; re-exported)
 from workers.layers.linear import kv_head_partition
+from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workers.models.llama import LlamaForCausalLM
 from workers.models.opt import OPTForCausalLM
 from workers.models.phi3 import Phi3ForCausalLM
@@ -22,6 +23,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -1,0 +1,45 @@
+"""Gemma 2 and Gemma 3 (text) at tensor-parallel size 2 over Ray worker actors: the same tokens as at
+TP 1 and as Hugging Face (teacher forcing), with prompts longer than the window, chunked prefill,
+preemption and prefix-cache hits in a small pool, and shared-prefix groups in a large one."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.e2e.prompts import test_prompts as make_prompts
+from tests.gemma_models import GEMMA_ARCHS, gemma_dir, gemma_oracle
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+TIGHT = dict(block_size=16, num_kv_blocks=48, max_model_len=520, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The checkpoints and oracles, made before the module's Ray cluster starts (a build's tokenizer
+    training beside a starting cluster on a loaded machine can starve its node's heartbeats)."""
+    for arch in GEMMA_ARCHS:
+        gemma_oracle(arch)
+
+
+def generate(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
+@pytest.mark.parametrize("arch", GEMMA_ARCHS)
+def test_tp2_matches_hf_and_tp1(arch, built, ray_cluster):
+    path = gemma_dir(arch)
+    prompts = make_prompts(path)
+    with LLM(model=path, **TIGHT) as llm1:
+        tp1 = generate(llm1, prompts)
+    with LLM(model=path, tensor_parallel_size=2, **TIGHT) as llm:
+        tight = generate(llm, prompts)
+        stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["num_blocks_in_use"] == 0
+    assert stats["kv_heads_per_rank"] == 1
+    with LLM(model=path, tensor_parallel_size=2) as llm:  # room for all: the shared 300 tokens grouped
+        roomy = generate(llm, prompts)
+        assert llm.stats()["prefix_cache_hits"] == 288
+    assert tight == tp1 and roomy == tp1
+    for prompt, out in zip(prompts, tight):
+        gemma_oracle(arch).assert_greedy(prompt, out)
