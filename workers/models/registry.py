@@ -9,6 +9,7 @@ import torch.nn as nn
 from engine.config import sliding_window  # noqa: F401  (the engine owns the rule; re-exported)
 from workers.layers.linear import kv_head_partition
 from workers.models.llama import LlamaForCausalLM
+from workers.models.mixtral import MixtralForCausalLM
 from workers.models.opt import OPTForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
 from workers.parallel_state import TPGroup
@@ -16,6 +17,7 @@ from workers.parallel_state import TPGroup
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
 }
