@@ -35,6 +35,18 @@ def num_experts(hf_config: dict) -> int:
     return int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
 
 
+def long_rope_threshold(hf_config: dict) -> int | None:
+    """Under LongRoPE (Phi-3's ``longrope``; ``su``, and ``yarn`` in a phi3 config, are its old names) the
+    original context length: a prompt longer than it is rotated with the long factors at every position,
+    a shorter one with the short factors below it, so the two hash apart in the prefix cache (their KV
+    differs at the same tokens). None for every other model."""
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type in ("longrope", "su") or (rope_type == "yarn" and hf_config.get("model_type") == "phi3"):
+        return params.get("original_max_position_embeddings") or hf_config.get("original_max_position_embeddings")
+    return None
+
+
 def _as_ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -57,6 +69,10 @@ class ModelConfig:
     dtype: str = "auto"
     source: str | None = None
     revision: str | None = None
+
+    @property
+    def long_rope_threshold(self) -> int | None:
+        return long_rope_threshold(self.hf_config)
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: str = "auto", max_model_len: int | None = None,

@@ -215,7 +215,7 @@ class EngineCore(StepFailures):
                 sample_id, prompt_token_ids, params if params.n == 1 else params.for_child(i),
                 eos_token_ids=self._eos_token_ids, block_size=self.config.cache.block_size,
                 max_tokens=max_tokens, cache_salt=cache_salt, arrival_time=arrival_time,
-                fork_source=first,
+                fork_source=first, long_rope_from=self.config.model.long_rope_threshold,
             )
             first = first or request
             if params.structured_outputs is not None:

@@ -56,6 +56,7 @@ class Request:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         fork_source: Request | None = None,
+        long_rope_from: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -88,7 +89,10 @@ class Request:
         self.prompt_logprobs_sent = False
 
         self._block_size = block_size
-        self.block_hashes: list[BlockHash] = hash_blocks(self.all_token_ids, block_size, cache_salt)
+        # a prompt past LongRoPE's original length is rotated with the long factors (engine.config.long_rope_threshold)
+        self.long_rope = long_rope_from is not None and self.num_prompt_tokens > long_rope_from
+        self.block_hashes: list[BlockHash] = hash_blocks(self.all_token_ids, block_size, cache_salt,
+                                                         long_rope=self.long_rope)
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +124,7 @@ class Request:
         if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._block_size:
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_BLOCK_HASH
             self.block_hashes.extend(hash_blocks(
-                self.all_token_ids, self._block_size, self.cache_salt, parent, len(self.block_hashes)
+                self.all_token_ids, self._block_size, self.cache_salt, parent, len(self.block_hashes), self.long_rope
             ))
 
     def block_token_ids(self, index: int) -> tuple[int, ...]:

@@ -49,8 +49,12 @@ class StepBatch:
 
 class InputBatch:
     def __init__(self, block_size: int, max_model_len: int, device: torch.device, backend: AttentionBackend,
-                 cascade: bool, staging_size: int = 4096) -> None:
-        """``staging_size``: elements of each dtype's staging buffers at start (they grow if a step needs more)."""
+                 cascade: bool, staging_size: int = 4096, long_rope: tuple[int, int] | None = None) -> None:
+        """``staging_size``: elements of each dtype's staging buffers at start (they grow if a step needs more).
+        ``long_rope`` (LongRoPE models: ``RotaryEmbedding.long_rope``): (original length, offset): the
+        positions the model gets are offset for requests whose prompt is longer than the original length,
+        which selects the long factors' rows of the rotary cache (slots come from the true positions)."""
+        self.long_rope = long_rope
         self.block_size = block_size
         self.device = device
         self.backend = backend
@@ -128,6 +132,10 @@ class InputBatch:
         table = self.blocks.table[rows, :width] if self.staging is None or self.cascade else None
 
         plan = plan_cascade(table, first, bs) if self.cascade else None
+        if self.long_rope is not None:
+            original, offset = self.long_rope
+            long = np.array([s.num_prompt_tokens > original for s in ordered], dtype=np.int64)
+            positions = positions + np.repeat(long * offset, q_lens)
         arrays = [np.array(input_ids, dtype=np.int64), positions, slots, query_start.astype(np.int32),
                   seq_lens.astype(np.int32), np.array(logits_indices, dtype=np.int64)]
         if plan is not None:

@@ -1,5 +1,6 @@
 """Build Hugging Face checkpoints from nothing: a byte-level BPE tokenizer trained on the repo's corpus and a
-randomly initialised Llama / Qwen2 / OPT made with transformers' own classes, saved in the usual layout.
+randomly initialised Llama / Qwen2 / Qwen3 / Phi-3 / OPT made with transformers' own classes, saved in the usual
+layout.
 
     out/
       config.json  generation_config.json  model.safetensors (or model-0000k-of-0000n.safetensors + index)
@@ -90,7 +91,7 @@ def _qwen3_moe(p: str, common: dict) -> dict:
     return {**_GATED_MLP[p], "moe_intermediate_size": moe["expert"], "num_experts": moe["num_experts"],
             "num_experts_per_tok": moe["top_k"], "norm_topk_prob": p != "tiny", "decoder_sparse_step": 1,
             "mlp_only_layers": [1] if common["num_hidden_layers"] > 1 else [],
-            "head_dim": common["hidden_size"] // common["num_attention_heads"], "rope_theta": 1e6,
+            "head_dim": 2 * common["hidden_size"] // common["num_attention_heads"], "rope_theta": 1e6,
             "tie_word_embeddings": False, "use_sliding_window": False}
 
 
@@ -104,6 +105,22 @@ def _init_std(common: dict) -> float:
     return round(common["hidden_size"] ** -0.5, 6)
 
 
+def _phi3(preset: str, common: dict) -> dict:
+    """Phi-4-mini's shape of rope: partial rotary (0.75 of each head) under longrope, with an original
+    context of an eighth of max_position_embeddings (tiny: 256 of 2048) so short prompts stay under it
+    and the suite's longest ones pass it; factors spread as in Phi-3's (short near 1, long up to ~8)."""
+    gated = _GATED_MLP[preset]
+    half = int(common["hidden_size"] // common["num_attention_heads"] * 0.75) // 2
+    original = gated["max_position_embeddings"] // 8
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": original,
+            "short_factor": [round(1 + 0.5 * i / half, 4) for i in range(half)],
+            "long_factor": [round(1 + 7 * i / half, 4) for i in range(half)]}
+    return {**common, **gated, "initializer_range": _init_std(common), "rms_norm_eps": 1e-5,
+            "original_max_position_embeddings": original, "rope_parameters": rope, "tie_word_embeddings": True,
+            "sliding_window": None}
+
+
 PRESETS: dict[str, dict[str, dict]] = {
     "llama": {p: {**c, **_GATED_MLP[p], "initializer_range": _init_std(c), "rms_norm_eps": 1e-5,
                   "rope_theta": 10000.0, "tie_word_embeddings": False} for p, c in _COMMON.items()},
@@ -111,6 +128,11 @@ PRESETS: dict[str, dict[str, dict]] = {
                   "tie_word_embeddings": True, "use_sliding_window": False} for p, c in _COMMON.items()},
     "opt": {p: {**c, "ffn_dim": _OPT_FFN[p], "max_position_embeddings": 2048, "do_layer_norm_before": True,
                 "word_embed_proj_dim": c["hidden_size"], "init_std": _init_std(c)} for p, c in _COMMON.items()},
+    # head_dim twice hidden / heads (Qwen3-0.6B: 1024 / 16 heads of 128), so the explicit head_dim matters
+    "qwen3": {p: {**c, **_GATED_MLP[p], "head_dim": 2 * c["hidden_size"] // c["num_attention_heads"],
+                  "initializer_range": _init_std(c), "rope_theta": 1e6, "tie_word_embeddings": True,
+                  "use_sliding_window": False} for p, c in _COMMON.items()},
+    "phi3": {p: _phi3(p, c) for p, c in _COMMON.items()},
     "mixtral": {p: {**c, **_mixtral(p), "initializer_range": _init_std(c), "rms_norm_eps": 1e-5}
                 for p, c in _COMMON.items()},
     "qwen3_moe": {p: {**c, **_qwen3_moe(p, c), "initializer_range": _init_std(c)} for p, c in _COMMON.items()},
@@ -121,6 +143,8 @@ _CLASSES = {  # arch -> (config class, model class), both from transformers
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "opt": ("OPTConfig", "OPTForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 

@@ -64,7 +64,8 @@ class ModelRunner:
         sched = config.scheduler
         self.batch = InputBatch(self.block_size, config.max_model_len, device, self.attention_backend,
                                 config.cascade_attention and not config.deterministic,
-                                staging_size=3 * sched.max_num_batched_tokens + 2 * sched.max_num_seqs)
+                                staging_size=3 * sched.max_num_batched_tokens + 2 * sched.max_num_seqs,
+                                long_rope=getattr(self.model, "long_rope", None))
         argmax = getattr(self.attention_backend.layer_ops, "argmax", None)
         self.sampler = Sampler(device, config.seed, argmax) if tp.is_first_rank else None
         self.eos_token_ids = tuple(config.model.eos_token_ids)

@@ -1,6 +1,6 @@
 // A Llama-style decoder stack in one call (one tensor-parallel rank of size 1): per layer
 //   residual += h; h = rms_norm(residual)            (the first layer: residual = h, h = rms_norm(h))
-//   q, k, v = split(linear(h, Wqkv, bqkv)); rotary(q, k) in place
+//   q, k, v = split(linear(h, Wqkv, bqkv)); [q, k = rms_norm per head (Qwen3's q_norm, k_norm)]; rotary(q, k)
 //   h = linear(paged_attention(q, k, v), Wo, bo)      (stores the step's K/V first)
 //   residual += h; h = rms_norm(residual)
 //   h = linear(silu_and_mul(linear(h, Wgu, bgu)), Wd, bd)
@@ -40,11 +40,14 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
                          const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                          const at::Tensor& group_member_start, const at::Tensor& group_members, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool fixed_order) {
+                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool fixed_order,
+                         at::TensorList qk_norms) {
   const int64_t layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
               "decoder_stack takes ", kPerLayer, " weight tensors per layer");
   TORCH_CHECK(static_cast<int64_t>(v_pools.size()) == layers, "one K and one V pool per layer");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
+              "qk_norms: none, or a q and a k norm weight per layer");
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(), "hidden must be a contiguous [tokens, hidden] tensor");
   const int64_t t = hidden_in.size(0);
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
@@ -64,6 +67,11 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
     at::Tensor q = qkv.narrow(1, 0, q_width);
     at::Tensor k = qkv.narrow(1, q_width, kv_width);
     const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
+    if (!qk_norms.empty()) {  // each head normalised over head_dim, into new [t, width] tensors
+      KVSERVE_SCOPE("rms_norm");
+      q = kvserve::rms_norm(q.view({t, num_heads, head_dim}), qk_norms[2 * i], eps).view({t, q_width});
+      k = kvserve::rms_norm(k.view({t, num_kv_heads, head_dim}), qk_norms[2 * i + 1], eps).view({t, kv_width});
+    }
     {
       KVSERVE_SCOPE("rotary_embedding");
       kvserve::rotary_embedding(positions, q, k, cos_sin_cache, head_dim);
@@ -107,7 +115,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
       "Tensor(c!)[] v_pools, Tensor cos_sin_cache, Tensor final_norm, Tensor slot_mapping, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, Tensor group_block_tables, Tensor group_lens, "
       "Tensor group_member_start, Tensor group_members, int num_heads, int num_kv_heads, int head_dim, float eps, "
-      "float scale, bool fixed_order=False) -> Tensor");
+      "float scale, bool fixed_order, Tensor[] qk_norms) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {

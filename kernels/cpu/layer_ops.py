@@ -44,19 +44,22 @@ class CpuLayerOps:
 
 
 class DecoderStack:
-    """A Llama-style decoder stack (RMSNorm, fused qkv with neox rotary, paged attention, SiLU-gated
-    MLP) of one tensor-parallel rank of size 1 as one compiled call: the same ops in the same order
-    as the layers run them one by one, without the Python between them.
+    """A Llama-style decoder stack (RMSNorm, fused qkv [with per-head q/k RMSNorms] and neox rotary, paged
+    attention, SiLU-gated MLP) of one tensor-parallel rank of size 1 as one compiled call: the same ops in
+    the same order as the layers run them one by one, without the Python between them.
 
     ``layers``: per layer ``(input_norm, qkv_weight, qkv_bias, o_weight, o_bias, post_norm,
     gate_up_weight, gate_up_bias, down_weight, down_bias)``, a bias ``None`` where there is none.
+    ``qk_norms``: per layer ``(q_norm, k_norm)`` weights of size head_dim (Qwen3: each query and key
+    head RMS-normalised before rotary, with ``eps``), or None.
     """
 
     def __init__(self, layer_ops: CpuLayerOps, layers: list[tuple], final_norm: torch.Tensor,
                  cos_sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 scale: float) -> None:
+                 scale: float, qk_norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         none = torch.zeros(0)
         self.weights = [none if w is None else w for layer in layers for w in layer]
+        self.qk_norms = [w for pair in qk_norms or () for w in pair]
         self.op = layer_ops.decoder_stack
         self.attention_args = layer_ops.attention_args
         self.final_norm, self.cos_sin_cache = final_norm, cos_sin_cache
@@ -67,4 +70,4 @@ class DecoderStack:
         final norm's output. ``meta.deterministic`` runs the fixed-order linear and attention."""
         return self.op(hidden, positions, self.weights, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
                        self.cos_sin_cache, self.final_norm, *self.attention_args(meta), *self.shape,
-                       meta.deterministic)
+                       meta.deterministic, self.qk_norms)

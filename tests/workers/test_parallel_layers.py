@@ -172,7 +172,7 @@ def test_rope_parameters_from_legacy_and_missing_keys() -> None:
     assert rope_parameters({"max_position_embeddings": 64}) == {"rope_type": "default", "rope_theta": 10000.0}
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "proportional"])
 def test_unsupported_rope_types_are_named(rope_type: str) -> None:
-    with pytest.raises(NotImplementedError, match=f"rope type '{rope_type}' is not supported"):
+    with pytest.raises(ValueError, match=f"rope type '{rope_type}' is not supported"):
         RotaryEmbedding(64, 128, {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}, CPU)

@@ -61,37 +61,86 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding over whole heads, from a ``[max_positions, head_dim]`` float32
-    cache = cat(cos, sin). ``forward(positions [T], q [T, heads * d], k [T, kv_heads * d])``.
+def _longrope_inv_freq(inv_freq_shape: torch.Tensor, base: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE: each frequency divided by its own factor (transformers' order of operations)."""
+    ext = torch.tensor(factors, dtype=torch.float32)
+    if ext.shape != inv_freq_shape.shape:
+        raise ValueError(f"longrope factors must number rotary_dim / 2 = {inv_freq_shape.numel()}, not {ext.numel()}")
+    return 1.0 / (ext * base**inv_freq_shape)
 
-    Rope types: default, linear, llama3, yarn (what transformers computes, frequencies and the yarn
-    attention factor alike). Dynamic NTK is not supported: its frequencies depend on the longest
+
+def _longrope_attention_factor(params: dict[str, Any], max_position_embeddings: int) -> float:
+    """transformers' rule: ``attention_factor`` if given, else sqrt(1 + ln(factor) / ln(original max)) with
+    ``factor`` (default: max_position_embeddings / original_max_position_embeddings) above 1, else 1."""
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    original_max = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original_max
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding over the first ``rotary_dim`` dimensions of each head (all of them by
+    default; the rest pass through), from a ``[rows, rotary_dim]`` float32 cache = cat(cos, sin).
+    ``forward(positions [T], q [T, heads * d], k [T, kv_heads * d])``.
+
+    Rope types: default, linear, llama3, yarn, longrope (what transformers computes, frequencies and the
+    attention factors alike). Dynamic NTK is not supported: its frequencies depend on the longest
     sequence of the batch, which a per-position cache cannot express.
+
+    longrope (Phi-3): transformers rotates every position of a forward with the long factors when the
+    forward's longest position is at or past ``original_max_position_embeddings`` (the sequence is longer
+    than it), with the short ones otherwise. The cache holds ``2 * max_positions`` rows: row p < max_positions
+    is position p under the short factors below the original length and the long ones from it on (what
+    transformers' own decoding with a KV cache computes: the prompt's keys stay as they were rotated and
+    each later token is rotated by the rule for the sequence so far), and row max_positions + p is position
+    p under the long factors. ``long_rope`` = (original length, max_positions): the model runner offsets
+    the positions of a request whose prompt is longer than the original length by max_positions, so a
+    prompt wholly below it and one wholly above it are both rotated exactly as one transformers forward
+    over the whole sequence rotates them.
     """
 
     def __init__(
-        self, head_dim: int, max_position_embeddings: int, params: dict[str, Any], device: torch.device
+        self, head_dim: int, max_position_embeddings: int, params: dict[str, Any], device: torch.device,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < dim <= head_dim or dim % 2:
+            raise ValueError(f"rotary_dim must be even and within head_dim {head_dim}, not {dim}")
         rope_type, base = params["rope_type"], params["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+        inv_freq = 1.0 / (base**inv_freq_shape)
         max_positions, attention_factor = max_position_embeddings, 1.0
+        self.long_rope: tuple[int, int] | None = None
+        long_inv_freq = None
         if rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
             max_positions = int(max_position_embeddings * params["factor"])
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
         elif rope_type == "yarn":
-            inv_freq = _yarn_inv_freq(inv_freq, head_dim, base, params)
+            inv_freq = _yarn_inv_freq(inv_freq, dim, base, params)
             attention_factor = _yarn_attention_factor(params)
             max_positions = max(max_positions, int(params["original_max_position_embeddings"] * params["factor"]))
+        elif rope_type == "longrope":
+            inv_freq = _longrope_inv_freq(inv_freq_shape, base, params["short_factor"])
+            long_inv_freq = _longrope_inv_freq(inv_freq_shape, base, params["long_factor"])
+            attention_factor = _longrope_attention_factor(params, max_position_embeddings)
+            self.long_rope = (params["original_max_position_embeddings"], max_positions)
         elif rope_type != "default":
-            raise NotImplementedError(
-                f"rope type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)"
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, longrope)"
             )
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        if long_inv_freq is not None:
+            long_freqs = torch.outer(positions, long_inv_freq)
+            original = self.long_rope[0]
+            freqs = torch.cat((freqs[:original], long_freqs[original:], long_freqs))
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
         self.ops = None  # compiled layer ops (``workers.layers.kernels``): rotate q and k in place

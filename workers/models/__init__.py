@@ -2,7 +2,9 @@
 
 from workers.models.llama import LlamaForCausalLM
 from workers.models.opt import OPTForCausalLM
+from workers.models.phi3 import Phi3ForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
+from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.models.registry import (
     ARCHITECTURES,
     KVCacheShape,
@@ -16,7 +18,9 @@ __all__ = [
     "KVCacheShape",
     "LlamaForCausalLM",
     "OPTForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
     "kv_cache_shape",
     "resolve_architecture",
     "sliding_window",

@@ -118,12 +118,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[nn.Module] = LlamaAttention  # a subclass's attention (Qwen3's adds q/k norms)
+
     def __init__(
         self, args: LlamaArgs, rotary_emb: RotaryEmbedding, tp: TPGroup, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(args, rotary_emb, tp, dtype, device)
+        self.self_attn = self.attention_cls(args, rotary_emb, tp, dtype, device)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(args, tp, dtype, device)
 
@@ -145,15 +147,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, args: LlamaArgs, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype, device)
-        rotary_emb = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope, device)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(args, rotary_emb, tp, dtype, device) for _ in range(args.num_layers)
-        )
+        rotary_emb = self.make_rotary(args, device)
+        self.layers = nn.ModuleList(self.layer_cls(args, rotary_emb, tp, dtype, device) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.stack: DecoderStack | None = None  # the layers as one compiled call (``bind_decoder_stack``)
+
+    @staticmethod
+    def make_rotary(args: LlamaArgs, device: torch.device) -> RotaryEmbedding:
+        return RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope, device)
 
     def bind_decoder_stack(self, layer_ops) -> bool:
         """Run the layers as one compiled call from now on (``workers.layers.kernels``), where the
@@ -164,6 +170,9 @@ class LlamaModel(nn.Module):
             return False
         if first.self_attn.rotary_emb.ops is None or self.norm.ops is None:
             return False
+        qk_norms = None  # per-head q/k RMSNorms before rotary (Qwen3), with the layers' eps
+        if hasattr(first.self_attn, "q_norm"):
+            qk_norms = [(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight) for layer in self.layers]
         layers = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -172,7 +181,7 @@ class LlamaModel(nn.Module):
                            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias))
         a = first.self_attn.attn
         self.stack = DecoderStack(layer_ops, layers, self.norm.weight, first.self_attn.rotary_emb.cos_sin_cache,
-                                  a.num_heads, a.num_kv_heads, a.head_dim, self.norm.eps, a.scale)
+                                  a.num_heads, a.num_kv_heads, a.head_dim, self.norm.eps, a.scale, qk_norms)
         return True
 
     def forward(
@@ -201,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     )
 
+    model_cls: type[nn.Module] = LlamaModel
+
     @staticmethod
     def parse_config(hf_config: dict[str, Any]) -> LlamaArgs:
         return LlamaArgs.from_hf(hf_config)
@@ -208,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: dict[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.args = args = self.parse_config(hf_config)
-        self.model = LlamaModel(args, tp, dtype, device)
+        self.model = self.model_cls(args, tp, dtype, device)
         tied_to = self.model.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype, device, tied_to=tied_to)
 

@@ -11,7 +11,9 @@ from workers.layers.linear import kv_head_partition
 from workers.models.llama import LlamaForCausalLM
 from workers.models.mixtral import MixtralForCausalLM
 from workers.models.opt import OPTForCausalLM
+from workers.models.phi3 import Phi3ForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
+from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.parallel_state import TPGroup
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -19,7 +21,9 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
