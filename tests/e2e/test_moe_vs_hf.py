@@ -12,7 +12,7 @@ from tests.e2e.prompts import test_prompts as make_prompts
 from tests.e2e.test_deterministic import run_with_others, target_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-MOE_ARCHS = ("mixtral",)
+MOE_ARCHS = ("mixtral", "qwen3_moe")
 # a pool of 480 tokens for prompts of 823 (563 unshared) and a 64-token budget: prompts are chunked, requests preempted
 STRESS = dict(block_size=16, num_kv_blocks=30, max_model_len=400, max_num_batched_tokens=64, max_num_seqs=8)
 
