@@ -1,16 +1,19 @@
 """The Triton fused-MoE kernel under the interpreter: the block-aligned sort of pairs per expert, the
 grouped GEMM against a per-token float64 reference (float32 and float16, expert-parallel ranges, odd
-widths), and a Mixtral-shaped ``FusedMoE`` layer bound to the Triton backend's ops against the same
-layer on plain torch."""
+widths), a Mixtral-shaped ``FusedMoE`` layer bound to the Triton backend's ops against the same layer
+on plain torch, and the whole Mixtral engine on the Triton path against Hugging Face."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine import LLM, SamplingParams
 from kernels.torch_moe import select_experts
 from kernels.triton import TritonAttentionBackend
 from kernels.triton.moe import BLOCK_M, align_by_expert, fused_moe, max_blocks
+from tests.e2e.prompts import test_prompts as make_prompts
+from tests.e2e.test_moe_vs_hf import moe_dirs, moe_oracle  # noqa: F401 (fixtures)
 from tests.kernels.test_cpu_moe import problem, reference
 from workers.layers.kernels import bind_layer_ops
 from workers.layers.moe import FusedMoE
@@ -88,3 +91,21 @@ def test_a_layer_bound_to_the_triton_ops_matches_plain_torch():
     torch.testing.assert_close(weights_k.sum(-1), torch.ones(19))
     ref = reference(x, layers[1].w13_weight.data, layers[1].w2_weight.data, weights_k, ids)
     torch.testing.assert_close(layers[1](x).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mixtral_matches_hf_on_the_triton_path(moe_dirs, moe_oracle):  # noqa: F811
+    """The whole engine with the fused MoE, attention and layer ops as Triton kernels (interpreted):
+    chunked prefill (16-token budget), a prefix-cache hit, decodes; teacher forcing against HF."""
+    prompts = make_prompts(moe_dirs["mixtral"])
+    shared = prompts[3][:23]
+    chosen = [prompts[1], shared + prompts[2][:9], shared + prompts[0] + prompts[1][:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with LLM(model=moe_dirs["mixtral"], attention_backend="triton", block_size=5, num_kv_blocks=48, max_model_len=96,
+             max_num_batched_tokens=16) as llm:
+        moe = [m for m in llm.core.executor.worker.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert moe and all(m.ops is TritonAttentionBackend.fused_ops for m in moe)
+        first = llm.generate([{"prompt_token_ids": p} for p in chosen[:2]], params)
+        second = llm.generate([{"prompt_token_ids": chosen[2]}], params)
+    for prompt, out in zip(chosen, first + second):
+        moe_oracle("mixtral").assert_greedy(prompt, out.outputs[0].token_ids)
+    assert second[0].num_cached_tokens == 20
