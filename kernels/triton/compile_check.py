@@ -76,8 +76,7 @@ MOE_MODELS = (
 def enumerate_all() -> list:
     """Every launch of the grid above (one per distinct variant)."""
     from kernels.triton.backend import AttentionShape, TritonAttentionBackend
-    from kernels.triton.moe import moe_launches
-    from kernels.triton.warmup import attention_launches, distinct, layer_launches
+    from kernels.triton.warmup import attention_launches, distinct, layer_launches, moe_launches
 
     launches = []
     backend = TritonAttentionBackend(target_programs=TARGET_PROGRAMS)

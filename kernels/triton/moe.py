@@ -141,26 +141,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         out += slots[:, s]
     return out.to(x.dtype)
 
-
-def moe_launches(dtype: torch.dtype, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 deterministic: bool = False) -> list:
-    """The fused-MoE launches of one rank at these widths, dry over meta tensors (the compile check):
-    gate|up and down."""
-    from kernels.triton.warmup import record_launches
-
-    m = dict(device="meta")
-    t = 3
-    pairs = t * top_k
-    rows = max_blocks(pairs, num_experts) * BLOCK_M
-    sorted_ids = torch.empty(rows, dtype=torch.int32, **m)
-    block_expert = torch.empty(rows // BLOCK_M, dtype=torch.int32, **m)
-    num_post = torch.empty(1, dtype=torch.int32, **m)
-    weights = torch.empty(pairs, dtype=torch.float32, **m)
-    with record_launches(dry=True) as launches:
-        moe_gemm(torch.empty(t, hidden, dtype=dtype, **m), torch.empty(num_experts, 2 * intermediate, hidden,
-                 dtype=dtype, **m), torch.empty(pairs, 2 * intermediate, dtype=dtype, **m), weights, sorted_ids,
-                 block_expert, num_post, pairs, top_k, False, False, deterministic)
-        moe_gemm(torch.empty(pairs, intermediate, dtype=dtype, **m), torch.empty(num_experts, hidden, intermediate,
-                 dtype=dtype, **m), torch.empty(pairs, hidden, dtype=torch.float32, **m), weights, sorted_ids,
-                 block_expert, num_post, pairs, top_k, True, True, deterministic)
-    return launches
