@@ -5,7 +5,9 @@
 //   pairs (token t, slot s) with expert e = topk_ids[t, s] - expert_start in [0, E): counted and
 //   sorted per expert by a stable counting sort (rows in token order within an expert);
 //   for each expert with rows: gather x's rows, h = x_e . w13[e]^T (gate | up, one product), a =
-//   silu(gate) * up, y = a . w2[e]^T (one product), written to the pair's row of a scratch;
+//   silu(gate) * up, y = a . w2[e]^T (one product), written to the pair's row of a scratch; the
+//   products split across threads, or (at least as many experts with rows as threads, each with few
+//   rows: decodes) whole experts shared out to the threads;
 //   out[t] = sum over s = 0 .. k-1 (in that order, local experts only) of topk_weights[t, s] * y[t, s].
 //
 // Batch-invariant in every mode: each product's element is one chain over its inputs in order
@@ -118,23 +120,39 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
 
   at::Tensor out = at::empty({t, h}, x.options());
   at::Tensor ys = at::empty({std::max<int64_t>(total, 1), n2}, x.options());  // a pair's expert output, by row
-  at::Tensor rows = at::empty({std::max<int64_t>(most, 1), h}, x.options());
-  at::Tensor gate_up = at::empty({std::max<int64_t>(most, 1), n13}, x.options());
-  at::Tensor act = at::empty({std::max<int64_t>(most, 1), std::max<int64_t>(inter, 1)}, x.options());
   float* yp = ys.data_ptr<float>();
-  float* rp = rows.data_ptr<float>();
-  float* gp = gate_up.data_ptr<float>();
-  float* ap = act.data_ptr<float>();
-  for (int64_t e = 0; e < num_experts; ++e) {
+  const float* w13p = w13.data_ptr<float>();
+  const float* w2p = w2.data_ptr<float>();
+  // one expert's rows [r0, r0 + m): gather, gate|up, SiLU-and-multiply, down into ys (scratch: its
+  // rows, gate|up and activation, each `most` rows); `parallel`: the products split across threads
+  const auto run_expert = [&](int64_t e, float* rp, float* gp, float* ap, bool parallel) {
     const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
-    if (m == 0) continue;
     at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(h, 1)), [&](int64_t b, int64_t end) {
       for (int64_t r = b; r < end; ++r) std::copy_n(xp + order[r0 + r] / k * h, h, rp + r * h);
     });
-    gemm_packed(rp, h, m, h, w13.data_ptr<float>() + e * w13.size(1) * h * kPanel, n13, nullptr, gp, n13, true);
+    gemm_packed(rp, h, m, h, w13p + e * w13.size(1) * h * kPanel, n13, nullptr, gp, n13, parallel);
     silu_mul_rows(gp, n13, m, inter, ap);
-    gemm_packed(ap, inter, m, inter, w2.data_ptr<float>() + e * w2.size(1) * inter * kPanel, n2, nullptr,
-                yp + r0 * n2, n2, true);
+    gemm_packed(ap, inter, m, inter, w2p + e * w2.size(1) * inter * kPanel, n2, nullptr, yp + r0 * n2, n2, parallel);
+  };
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < num_experts; ++e)
+    if (offsets[e + 1] > offsets[e]) active.push_back(e);
+  const int64_t scratch_floats = std::max<int64_t>(most, 1) * (h + n13 + std::max<int64_t>(inter, 1));
+  const int64_t threads = at::get_num_threads();
+  if (static_cast<int64_t>(active.size()) >= threads && most <= 4 * kTileRows) {
+    // few rows per expert (decodes): whole experts per thread, each product on its thread alone (the same
+    // chains as split ones: the bits do not change)
+    at::Tensor scratch = at::empty({threads, scratch_floats}, x.options());
+    at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t b, int64_t end) {
+      float* mine = scratch.data_ptr<float>() + std::min<int64_t>(at::get_thread_num(), threads - 1) * scratch_floats;
+      const int64_t rows = std::max<int64_t>(most, 1);
+      for (int64_t i = b; i < end; ++i) run_expert(active[i], mine, mine + rows * h, mine + rows * (h + n13), false);
+    });
+  } else {
+    at::Tensor scratch = at::empty({scratch_floats}, x.options());
+    float* rp = scratch.data_ptr<float>();
+    const int64_t rows = std::max<int64_t>(most, 1);
+    for (const int64_t e : active) run_expert(e, rp, rp + rows * h, rp + rows * (h + n13), true);
   }
   float* op = out.data_ptr<float>();
   at::parallel_for(0, t, std::max<int64_t>(1, 16384 / std::max<int64_t>(h * k, 1)), [&](int64_t b, int64_t end) {

@@ -65,16 +65,20 @@ def test_compiled_and_torch_match_the_reference_at_every_thread_count(shape):
         assert all(torch.equal(r, results[0]) for r in results), "the thread count changed a bit"
 
 
-def test_a_rows_result_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("num_threads", [1, 2, 4])
+def test_a_rows_result_does_not_depend_on_its_batch(num_threads):
     """Each token computed alone and inside batches of other tokens (other experts' loads, its rows at
-    other places in its experts' products): the same bits."""
-    x, w13, w2, weights, ids = problem(61, 200, 68, 6, 2, seed=3)
-    whole = compiled(x, w13, w2, weights, ids)
-    for t in (0, 17, 60):
-        alone = compiled(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1])
-        assert torch.equal(alone[0], whole[t])
-    part = compiled(x[10:30], w13, w2, weights[10:30], ids[10:30])
-    assert torch.equal(part, whole[10:30])
+    other places in its experts' products; whole experts per thread for few rows, the products split
+    across threads for 150 tokens' ~50 rows per expert): the same bits."""
+    x, w13, w2, weights, ids = problem(150, 200, 68, 6, 2, seed=3)
+    with threads(num_threads):
+        whole = compiled(x, w13, w2, weights, ids)
+        for t in (0, 17, 149):
+            alone = compiled(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1])
+            assert torch.equal(alone[0], whole[t])
+        for a, b in ((10, 30), (0, 61)):
+            assert torch.equal(compiled(x[a:b], w13, w2, weights[a:b], ids[a:b]), whole[a:b])
+    torch.testing.assert_close(whole.double(), reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_other_ranks_experts_add_nothing():
