@@ -85,6 +85,43 @@ def hf_oracle(model_dirs):
     return get
 
 
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory) -> dict[str, str]:
+    """qwen3 and phi3 ``tiny`` checkpoints, for their own test files only (``tests.e2e.families``)."""
+    from tests.e2e.families import FAMILIES
+    from workers.model_builder import make_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {arch: str(make_model(arch, "tiny", root / f"{arch}-tiny", seed=0)) for arch in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def family_oracle(family_dirs):
+    cache: dict[str, HFOracle] = {}
+
+    def get(arch: str) -> HFOracle:
+        if arch not in cache:
+            cache[arch] = HFOracle(family_dirs[arch])
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def stress_runs(family_dirs):
+    """(arch, backend) -> ``tests.e2e.families.stress_run``, once per session (the TP 2 tests compare with it)."""
+    from tests.e2e.families import stress_run
+
+    cache: dict[tuple[str, str], dict] = {}
+
+    def get(arch: str, backend: str) -> dict:
+        if (arch, backend) not in cache:
+            cache[arch, backend] = stress_run(family_dirs[arch], backend)
+        return cache[arch, backend]
+
+    return get
+
+
 HF_REPO_ID = "kvserve-test/tiny-llama"
 
 
@@ -118,7 +155,7 @@ def hf_cache(model_dirs, tmp_path_factory) -> dict[str, str]:
 
 
 SERVE_ENV_KEYS = ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP",
-                  "RAY_SERVE_PROXY_USE_GRPC")
+                  "RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_ENABLE_HA_PROXY")
 
 
 @pytest.fixture(autouse=True)

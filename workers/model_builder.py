@@ -107,12 +107,13 @@ def _init_std(common: dict) -> float:
 
 def _phi3(preset: str, common: dict) -> dict:
     """Phi-4-mini's shape of rope: partial rotary (0.75 of each head) under longrope, with an original
-    context of an eighth of max_position_embeddings (tiny: 256 of 2048) so short prompts stay under it
-    and the suite's longest ones pass it; factors spread as in Phi-3's (short near 1, long up to ~8)."""
+    context of an eighth of max_position_embeddings (tiny: 256 of 2048; ``factor`` 8, their ratio, as
+    transformers asks) so short prompts stay under it and the suite's longest ones pass it; factors
+    spread as in Phi-3's (short near 1, long up to ~8)."""
     gated = _GATED_MLP[preset]
     half = int(common["hidden_size"] // common["num_attention_heads"] * 0.75) // 2
     original = gated["max_position_embeddings"] // 8
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "factor": 8.0,
             "original_max_position_embeddings": original,
             "short_factor": [round(1 + 0.5 * i / half, 4) for i in range(half)],
             "long_factor": [round(1 + 7 * i / half, 4) for i in range(half)]}

@@ -148,6 +148,23 @@ def test_decoder_stack_matches_the_layers_to_the_bit(name, threads, ckpt):
     max_diff(stacked, c)  # and both match HF
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_every_preset_builds_a_config_the_model_takes(arch):
+    """make-model's presets for both families are configs transformers accepts (Phi-3's validates the
+    longrope factors' count) and the model classes parse."""
+    from workers.model_builder import _CLASSES, PRESETS
+
+    for preset, kwargs in PRESETS[arch].items():
+        config = getattr(transformers, _CLASSES[arch][0])(**{"vocab_size": 4096, **kwargs})
+        hf = {**config.to_dict(), "architectures": [_CLASSES[arch][1]]}
+        args = resolve_architecture(hf).parse_config(hf)
+        if arch == "qwen3":
+            assert args.head_dim == 2 * args.hidden_size // args.num_heads, preset
+        else:
+            assert args.rope["rope_type"] == "longrope" and args.rope["original_max_position_embeddings"] == (
+                args.max_position_embeddings // 8), preset
+
+
 def test_longrope_cache_matches_transformers():
     """Rows [0, original) short, [original, max) long (position-based), [max, 2 max) long for every position;
     the attention factor sqrt(1 + ln(max / original) / ln(original)) on all of them; 12 of 16 dims rotated."""
@@ -201,3 +218,40 @@ def test_phi3_su_and_default_rope_types():
     plain = Phi3ForCausalLM(phi3_config(rope={"rope_type": "default"}), TPGroup(), torch.float32, torch.device("cpu"))
     assert plain.long_rope is None
     assert plain.model.layers[0].self_attn.rotary_emb.cos_sin_cache.shape == (MAX_POSITIONS, 12)
+
+
+def test_triton_rotary_reads_the_long_rows():
+    """The Triton rotary (interpreter) over Phi-3's partial rotary at positions in both halves of the
+    LongRoPE cache, as the torch rotary computes it (the e2e tests run the Triton path below 256 tokens)."""
+    from kernels.rotary import apply_rotary_emb
+    from kernels.triton import ops
+
+    model = Phi3ForCausalLM(phi3_config(), TPGroup(), torch.float32, torch.device("cpu"))
+    cache = model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    positions = torch.tensor([0, 31, 32, 127, MAX_POSITIONS, MAX_POSITIONS + 5, 2 * MAX_POSITIONS - 1])
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(7, 4 * 16, generator=gen), torch.randn(7, 2 * 16, generator=gen)
+    want_q, want_k = apply_rotary_emb(q.view(7, 4, 16), k.view(7, 2, 16), positions, cache)
+    got_q, got_k = ops.rotary_neox_(positions, q.clone(), k.clone(), cache, 16)
+    torch.testing.assert_close(got_q, want_q.reshape(7, -1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_k, want_k.reshape(7, -1), atol=1e-6, rtol=0)
+    assert torch.equal(got_q.view(7, 4, 16)[..., 12:], q.view(7, 4, 16)[..., 12:])  # 4 of 16 dims pass through
+
+
+def test_phi3_legacy_config_reads_the_same():
+    """transformers-4 checkpoints (Phi-3.5-mini, Phi-4-mini): ``rope_scaling`` with ``type``, and
+    partial_rotary_factor, original_max_position_embeddings and rope_theta at the top level."""
+    from engine.config import long_rope_threshold
+
+    new = phi3_config()
+    legacy = {k: v for k, v in new.items() if k != "rope_parameters"}
+    rope = new["rope_parameters"]
+    legacy.update(rope_scaling={"type": "longrope", "short_factor": rope["short_factor"],
+                                "long_factor": rope["long_factor"]}, partial_rotary_factor=0.75, rope_theta=10000.0)
+    assert legacy["original_max_position_embeddings"] == 32 and "original_max_position_embeddings" not in legacy[
+        "rope_scaling"]
+    models = [Phi3ForCausalLM(c, TPGroup(), torch.float32, torch.device("cpu")) for c in (new, legacy)]
+    caches = [m.model.layers[0].self_attn.rotary_emb.cos_sin_cache for m in models]
+    assert torch.equal(caches[0], caches[1]) and models[1].long_rope == (32, MAX_POSITIONS)
+    assert long_rope_threshold(new) == long_rope_threshold(legacy) == 32
+    assert long_rope_threshold({"rope_scaling": {"type": "yarn", "factor": 4.0}, "model_type": "llama"}) is None

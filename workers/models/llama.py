@@ -235,6 +235,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
+    @property
+    def long_rope(self) -> tuple[int, int] | None:
+        """Under LongRoPE (Phi-3): (original_max_position_embeddings, row offset of the long factors in the
+        rotary cache), which the model runner applies to long prompts' positions; else None."""
+        return self.model.layers[0].self_attn.rotary_emb.long_rope
+
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> None:
         ignore = ("lm_head.weight",) if self.args.tie_word_embeddings else ()
         load_into(self, weights, self.stacked_params, ignore)

@@ -104,11 +104,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         # Phi-3 has no biases (transformers' Phi3 layers are bias-free whatever the config says)
         return replace(args, rope=params, qkv_bias=False, o_bias=False, mlp_bias=False)
 
-    @property
-    def long_rope(self) -> tuple[int, int] | None:
-        """(original_max_position_embeddings, row offset of the long factors) under longrope, else None."""
-        return self.model.layers[0].self_attn.rotary_emb.long_rope
-
     def _split_fused(self, weights: Iterable[tuple[str, WeightSlice]]) -> Iterator[tuple[str, WeightSlice]]:
         a = self.args
         q_rows, kv_rows = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
