@@ -93,3 +93,18 @@ def test_unsupported_settings_are_refused(moe_dirs, model_dirs):
     with pytest.raises(ValueError, match="enable_expert_parallel places whole experts on ranks: 8 experts cannot "
                                          "cover 16 ranks"):
         LLM(model=moe_dirs["mixtral"], tensor_parallel_size=16, enable_expert_parallel=True)
+
+
+def test_expert_parallel_is_an_app_argument(moe_dirs):
+    """The flat key and engine_kwargs (Ray Serve LLM's shape) both reach the engine's settings."""
+    from cluster.app_args import ENGINE_KWARGS, AppArgs
+    from engine import engine_config
+
+    flat = AppArgs.model_validate({"model": moe_dirs["mixtral"], "tensor_parallel_size": 2,
+                                   "enable_expert_parallel": True})
+    nested = AppArgs.model_validate({"model": moe_dirs["mixtral"], "tensor_parallel_size": 2,
+                                     "engine_kwargs": {"enable_expert_parallel": True}})
+    assert flat.enable_expert_parallel and nested.enable_expert_parallel
+    config = engine_config(flat.model, **{key: getattr(flat, key) for key in ENGINE_KWARGS})
+    assert config.parallel.enable_expert_parallel and config.parallel.tensor_parallel_size == 2
+    assert not AppArgs.model_validate({"model": moe_dirs["mixtral"]}).enable_expert_parallel
