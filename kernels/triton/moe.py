@@ -85,7 +85,8 @@ def align_by_expert(topk_ids: torch.Tensor, expert_start: int, num_experts: int,
     n, device = flat.numel(), flat.device
     key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)
+    # not bincount: on CUDA it reads the largest id back to the host (no capture in a CUDA graph)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + block_m - 1) // block_m * block_m
     padded[num_experts] = 0  # other ranks' pairs take no rows
     padded_end = torch.cumsum(padded, 0)
