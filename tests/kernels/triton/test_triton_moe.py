@@ -109,3 +109,15 @@ def test_mixtral_matches_hf_on_the_triton_path(moe_dirs, moe_oracle):  # noqa: F
     for prompt, out in zip(chosen, first + second):
         moe_oracle("mixtral").assert_greedy(prompt, out.outputs[0].token_ids)
     assert second[0].num_cached_tokens == 20
+
+
+def test_the_warm_up_compiles_every_fused_moe_variant_a_run_launches(moe_dirs):  # noqa: F811
+    """Decodes and prefill chunks, the CUDA-graph buckets' buffers (run eagerly), inputs staged as on
+    CUDA: every fused-MoE launch is of a variant the 16-token warm-up forward launched."""
+    from tests.kernels.triton.test_triton_warmup import _describe, _run
+
+    warm, used, _, _ = _run(moe_dirs["mixtral"], False, True)
+    missing = [used[key] for key in used.keys() - warm.keys()]
+    assert not missing, "\n".join(_describe(missing))
+    moe = {launch.constexprs["MUL_ROUTED_WEIGHT"] for launch in used.values() if launch.name == "_fused_moe_kernel"}
+    assert moe == {False, True}  # gate|up and down
