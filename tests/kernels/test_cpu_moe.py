@@ -65,6 +65,19 @@ def test_compiled_and_torch_match_the_reference_at_every_thread_count(shape):
         assert all(torch.equal(r, results[0]) for r in results), "the thread count changed a bit"
 
 
+@pytest.mark.parametrize("inter", [768, 192], ids=["qwen3-30b-a3b", "qwen3-30b-a3b-tp4"])
+def test_real_expert_widths(inter):
+    """Qwen3-30B-A3B's expert (hidden 2048, intermediate 768, and its quarter at tensor-parallel size
+    4), four of them, a decode and a few rows, at every thread count."""
+    for tokens in (1, 6):
+        x, w13, w2, weights, ids = problem(tokens, 2048, inter, 4, 2, seed=tokens)
+        expected = reference(x, w13, w2, weights, ids)
+        for n in THREADS:
+            with threads(n):
+                torch.testing.assert_close(compiled(x, w13, w2, weights, ids).double(), expected, rtol=1e-5,
+                                           atol=1e-5)
+
+
 @pytest.mark.parametrize("num_threads", [1, 2, 4])
 def test_a_rows_result_does_not_depend_on_its_batch(num_threads):
     """Each token computed alone and inside batches of other tokens (other experts' loads, its rows at
