@@ -37,7 +37,7 @@ def api_key_from_env(name: str) -> str:
 ENGINE_KWARGS = frozenset({
     "tensor_parallel_size", "dtype", "device", "block_size", "enable_prefix_caching", "num_kv_blocks",
     "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "seed", "placement_strategy", "attention_backend", "cascade_attention", "max_worker_restarts",
+    "seed", "placement_strategy", "enable_expert_parallel", "attention_backend", "cascade_attention", "max_worker_restarts",
     "max_consecutive_failed_steps",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
     "max_stop_token_ids", "max_stop_string_length", "max_stop_total_length", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
@@ -119,6 +119,8 @@ class AppArgs(BaseModel):
     max_model_len: int | None = None
     seed: int = 0
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    # mixture-of-experts models at tensor_parallel_size > 1: whole experts per rank (vLLM's name)
+    enable_expert_parallel: bool = False
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     cascade_attention: bool = True
     max_worker_restarts: int = 3  # rank-group rebuilds within worker_restart_window_s before the engine is dead

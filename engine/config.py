@@ -33,6 +33,12 @@ def sliding_window(hf_config: dict) -> int | None:
     return window if hf_config.get("use_sliding_window", True) else None
 
 
+def num_experts(hf_config: dict) -> int:
+    """The experts of a mixture-of-experts config (Mixtral's ``num_local_experts``, Qwen3-MoE's
+    ``num_experts``), 0 for a dense model."""
+    return int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+
+
 def long_rope_threshold(hf_config: dict) -> int | None:
     """Under LongRoPE (Phi-3's ``longrope``; ``su``, and ``yarn`` in a phi3 config, are its old names) the
     original context length: a prompt longer than it is rotated with the long factors at every position,
@@ -170,6 +176,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     placement_strategy: str = "STRICT_PACK"
     tp_dispatch: str = "remote"
+    # mixture-of-experts models: whole experts per rank (split as evenly as they go) instead of every
+    # expert's intermediate features split across the ranks (vLLM's name)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -245,6 +254,8 @@ class EngineConfig:
             raise ValueError(f"deterministic=True runs at tensor_parallel_size 1 or 2, not "
                              f"{self.parallel.tensor_parallel_size}: the all-reduce of more ranks sums in an order "
                              f"that depends on the batch")
+        if self.parallel.enable_expert_parallel:
+            self._check_expert_parallel()
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         if not isinstance(self.max_consecutive_failed_steps, int) or self.max_consecutive_failed_steps < 2:
@@ -268,6 +279,19 @@ class EngineConfig:
                              f"{self.structured_output_compile_timeout_s!r}")
         if not self.worker_restart_window_s > 0 or not self.worker_restart_backoff_s >= 0:
             raise ValueError("worker_restart_window_s must be > 0 and worker_restart_backoff_s >= 0")
+
+    def _check_expert_parallel(self) -> None:
+        tp, cfg = self.parallel.tensor_parallel_size, self.model.hf_config
+        experts = num_experts(cfg)
+        if tp < 2:
+            raise ValueError("enable_expert_parallel places experts across tensor-parallel ranks: it needs "
+                             "tensor_parallel_size 2 or more, not 1")
+        if not experts:
+            raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {self.model.architecture} "
+                             f"has no experts")
+        if experts < tp:
+            raise ValueError(f"enable_expert_parallel places whole experts on ranks: {experts} experts cannot "
+                             f"cover {tp} ranks")
 
     @property
     def max_model_len(self) -> int:

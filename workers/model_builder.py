@@ -65,6 +65,36 @@ _GATED_MLP: dict[str, dict] = {  # llama, qwen2
     "1b": dict(num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=4096),
     "odd": dict(num_key_value_heads=1, intermediate_size=520, max_position_embeddings=2048),
 }
+# mixture-of-experts presets (every _COMMON size): Mixtral's 8 experts top 2 at tiny, else 4 experts top 2,
+# each expert a small gated MLP (a quarter of the dense intermediate at tiny, odd widths at odd); Qwen3-MoE
+# with 8 experts top 2 (tiny/odd) or 16 top 4, norm_topk_prob off at tiny so both router forms are tested,
+# and a dense layer (mlp_only_layers) where there is a second layer.
+_MOE: dict[str, dict] = {
+    "tiny": dict(num_experts=8, top_k=2, expert=48),
+    "small": dict(num_experts=4, top_k=2, expert=704),
+    "medium": dict(num_experts=8, top_k=2, expert=1408),
+    "125m": dict(num_experts=8, top_k=2, expert=768),
+    "1b": dict(num_experts=8, top_k=2, expert=2048),
+    "odd": dict(num_experts=6, top_k=2, expert=136),
+}
+
+
+def _mixtral(p: str) -> dict:
+    moe = _MOE[p]
+    return {**_GATED_MLP[p], "intermediate_size": moe["expert"], "num_local_experts": moe["num_experts"],
+            "num_experts_per_tok": moe["top_k"], "rope_theta": 1e6, "sliding_window": None,
+            "tie_word_embeddings": False, "router_jitter_noise": 0.0}
+
+
+def _qwen3_moe(p: str, common: dict) -> dict:
+    moe = _MOE[p]
+    return {**_GATED_MLP[p], "moe_intermediate_size": moe["expert"], "num_experts": moe["num_experts"],
+            "num_experts_per_tok": moe["top_k"], "norm_topk_prob": p != "tiny", "decoder_sparse_step": 1,
+            "mlp_only_layers": [1] if common["num_hidden_layers"] > 1 else [],
+            "head_dim": 2 * common["hidden_size"] // common["num_attention_heads"], "rope_theta": 1e6,
+            "tie_word_embeddings": False, "use_sliding_window": False}
+
+
 _OPT_FFN = {"tiny": 256, "small": 2048, "medium": 4096, "125m": 3072, "1b": 8192, "odd": 520}
 
 
@@ -104,6 +134,9 @@ PRESETS: dict[str, dict[str, dict]] = {
                   "initializer_range": _init_std(c), "rope_theta": 1e6, "tie_word_embeddings": True,
                   "use_sliding_window": False} for p, c in _COMMON.items()},
     "phi3": {p: _phi3(p, c) for p, c in _COMMON.items()},
+    "mixtral": {p: {**c, **_mixtral(p), "initializer_range": _init_std(c), "rms_norm_eps": 1e-5}
+                for p, c in _COMMON.items()},
+    "qwen3_moe": {p: {**c, **_qwen3_moe(p, c), "initializer_range": _init_std(c)} for p, c in _COMMON.items()},
 }
 # Gemma presets (tiny and small only): sliding windows shorter than the suite's longer prompts (500 tokens),
 # query_pre_attn_scalar unlike head_dim, and soft-caps low enough to change scores and logits of this init
@@ -129,6 +162,8 @@ PRESETS["gemma3"] = {p: {**c, **_GEMMA3[p], "initializer_range": _init_std(c), "
                      for p, c in _GEMMA.items()}
 _CLASSES = {  # arch -> (config class, model class), both from transformers
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "opt": ("OPTConfig", "OPTForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),

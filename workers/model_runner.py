@@ -41,7 +41,11 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.cache.block_size
         hf_config = config.model.hf_config
-        self.model = resolve_architecture(hf_config)(hf_config, tp, dtype, device)
+        model_cls = resolve_architecture(hf_config)
+        if config.parallel.enable_expert_parallel and not getattr(model_cls, "supports_expert_parallel", False):
+            raise ValueError(f"enable_expert_parallel is not supported for {model_cls.__name__}")
+        extra = {"expert_parallel": True} if config.parallel.enable_expert_parallel else {}
+        self.model = model_cls(hf_config, tp, dtype, device, **extra)
         self.model.load_weights(iter_checkpoint(config.model.path))
         self.model.eval()
         num_layers, kv_heads, head_dim, replicated = kv_cache_shape(hf_config, tp.size)

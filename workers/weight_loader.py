@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -124,12 +124,16 @@ def load_into(
     weights: Iterable[tuple[str, WeightSlice]],
     stacked_params: tuple[StackedParam, ...] = (),
     ignore: tuple[str, ...] = (),
+    route: Callable[[str], tuple[str, ShardId] | None] | None = None,
 ) -> None:
     """Load every checkpoint tensor into its parameter via ``param.weight_loader(param, slice, shard_id)``.
 
-    Checkpoint names containing ``.{part}.`` of a ``stacked_params`` entry go to the fused parameter
-    with that shard id. Names ending in an ``ignore`` suffix (or a known buffer) are skipped. Raises
-    ValueError naming every unexpected checkpoint tensor and every parameter (or shard) left unloaded.
+    ``route(name)``, where given, names the (parameter, shard id) of a checkpoint tensor first (None:
+    not one of its). Checkpoint names containing ``.{part}.`` of a ``stacked_params`` entry go to the
+    fused parameter with that shard id. Names ending in an ``ignore`` suffix (or a known buffer) are
+    skipped. A parameter's ``shard_ids`` attribute, where it has one, is the set of shard ids it must
+    be given (others routed to it are its loader's to skip). Raises ValueError naming every
+    unexpected checkpoint tensor and every parameter (or shard) left unloaded.
     """
     params = dict(model.named_parameters())
     loaded: dict[str, set[ShardId]] = {}
@@ -137,7 +141,8 @@ def load_into(
     for ckpt_name, weight in weights:
         if ckpt_name.endswith(_NON_PARAMETERS + ignore):
             continue
-        name, shard_id = _route(ckpt_name, stacked_params)
+        routed = route(ckpt_name) if route is not None else None
+        name, shard_id = routed if routed is not None else _route(ckpt_name, stacked_params)
         param = params.get(name)
         if param is None:
             unexpected.append(ckpt_name)
@@ -148,8 +153,9 @@ def load_into(
             raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r} into {name!r}: {e}") from e
         loaded.setdefault(name, set()).add(shard_id)
     missing = []
-    for name in params:
-        expected = {sid for fused, _, sid in stacked_params if f".{fused}." in f".{name}"} or {None}
+    for name, param in params.items():
+        expected = getattr(param, "shard_ids", None) or \
+            {sid for fused, _, sid in stacked_params if f".{fused}." in f".{name}"} or {None}
         missing += [name if sid is None else f"{name}[{sid!r}]" for sid in expected - loaded.get(name, set())]
     if unexpected or missing:
         raise ValueError(

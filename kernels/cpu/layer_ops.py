@@ -25,6 +25,10 @@ class CpuLayerOps:
         self._fused_add_rms_norm = ops.fused_add_rms_norm.default
         self._rotary = ops.rotary_embedding.default
         self.decoder_stack = ops.decoder_stack.default
+        # mixture-of-experts (moe.cpp): expert weights [E, N, K] in padded column panels, and the experts
+        # of a batch grouped by expert: (x, w13, w2, topk_weights, topk_ids, expert_start, intermediate)
+        self.moe_pack_weight = ops.moe_pack_weight.default
+        self.moe_experts = ops.moe_experts.default
 
     def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,12 +13,13 @@ import torch
 from kernels.metadata import PagedAttentionMetadata
 from kernels.triton import ops
 from kernels.triton.linear import linear_batch_invariant
+from kernels.triton.moe import fused_moe
 
 
 class TritonLayerOps:
     """The layers' elementwise ops as Triton kernels, shaped like ``kernels.cpu.layer_ops.CpuLayerOps``
     (``linear`` is ``F.linear``: cuBLAS is already the fast path on a GPU; ``linear_fixed_order`` the
-    batch-invariant product of ``deterministic``)."""
+    batch-invariant product of ``deterministic``; ``fused_moe`` the experts of a MoE layer)."""
 
     rms_norm = staticmethod(ops.rms_norm)
     fused_add_rms_norm = staticmethod(ops.fused_add_rms_norm)
@@ -26,6 +27,7 @@ class TritonLayerOps:
     rotary_neox_ = staticmethod(ops.rotary_neox_)
     linear = staticmethod(torch.nn.functional.linear)
     linear_fixed_order = staticmethod(linear_batch_invariant)
+    fused_moe = staticmethod(fused_moe)  # mixture-of-experts layers: grouped GEMM over expert-sorted pairs
 
 
 def attention_tiles(seqs: range, query_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:

@@ -12,6 +12,8 @@ tensors, nothing launched; see ``kernels.triton.warmup``):
   shapes (decodes, prefill chunks), deterministic mode (which launches the decode tile, unsplit, for
   every row). The CUDA-graph buckets launch the decode tile at one of those split counts: nothing
   more to compile.
+- the fused mixture-of-experts (gate|up and down, ``kernels.triton.moe``) at the widths of
+  Mixtral-8x7B (also at tensor-parallel size 2) and Qwen3-30B-A3B (also at expert-parallel size 2).
 - layer ops (RMSNorm with and without the residual, neox rotary, SiLU-and-multiply, and the
   batch-invariant linear of ``deterministic``) at the widths of OPT-125m, Qwen2-0.5B, Llama-3.2-1B,
   Gemma-2-2B, Phi-2, Phi-3-mini, Qwen2.5-7B, Llama-3-8B / Mistral-7B (also at tensor-parallel size
@@ -21,7 +23,7 @@ That is a few thousand distinct variants; compiling each for two targets would t
 here. What is compiled is a cover of them, picked greedily in a fixed order: every (dtype, head
 size, tile rows) of attention, every (dtype, head size) of the merge and the store, every (dtype,
 block width, residual) of the norm, (dtype, half width) of rotary, (dtype, width) of SiLU, (dtype,
-bias) of the linear — and every value any one argument takes anywhere in the full set (each
+bias) of the linear, (dtype, routing weight) of the fused MoE — and every value any one argument takes anywhere in the full set (each
 constexpr value, each dtype, each integer or pointer specialisation) at least once. Compiles are
 cached per process by variant.
 
@@ -62,11 +64,19 @@ MODELS = (
     ("llama-3-8b-tp2", 4096, 7168, 16, 4, 128, 64128, False),
 )
 
+# (name, hidden, expert intermediate, experts, top k) of one rank's mixture-of-experts layers
+MOE_MODELS = (
+    ("mixtral-8x7b", 4096, 14336, 8, 2),
+    ("mixtral-8x7b-tp2", 4096, 7168, 8, 2),
+    ("qwen3-30b-a3b", 2048, 768, 128, 8),
+    ("qwen3-30b-a3b-ep2", 2048, 768, 64, 8),
+)
+
 
 def enumerate_all() -> list:
     """Every launch of the grid above (one per distinct variant)."""
     from kernels.triton.backend import AttentionShape, TritonAttentionBackend
-    from kernels.triton.warmup import attention_launches, distinct, layer_launches
+    from kernels.triton.warmup import attention_launches, distinct, layer_launches, moe_launches
 
     launches = []
     backend = TritonAttentionBackend(target_programs=TARGET_PROGRAMS)
@@ -82,6 +92,8 @@ def enumerate_all() -> list:
         for _, hidden, inter, heads, kv_heads, head_dim, vocab, bias in MODELS:
             launches += layer_launches(dtype, hidden, inter, heads, kv_heads, head_dim, vocab, bias,
                                        deterministic=True)
+        for _, hidden, inter, experts, top_k in MOE_MODELS:
+            launches += moe_launches(dtype, hidden, inter, experts, top_k)
     return list(distinct(launches).values())
 
 
@@ -100,6 +112,7 @@ def _critical(launch) -> tuple:
         "_silu_and_mul_kernel": lambda: (c["BLOCK"],),
         "_rotary_neox_kernel": lambda: (c["HALF"],),
         "_linear_kernel": lambda: (c["HAS_BIAS"],),
+        "_fused_moe_kernel": lambda: (c["MUL_ROUTED_WEIGHT"],),
     }
     return (launch.name, _dtype(launch)) + per_kernel[launch.name]()
 

@@ -18,7 +18,8 @@ to step out of the specialisation, so an engine's variants are fixed by its conf
 its KV pool exists, on CUDA). ``compile_for_target``
 compiles a recorded launch for a given GPU target with no device (``kernels.triton.compile_check``).
 ``layer_launches`` enumerates the layer ops at a Llama-family model's widths without the model (for
-the compile check; a test pins it to what the models launch).
+the compile check; a test pins it to what the models launch); ``moe_launches`` the fused MoE's two
+launches at a mixture-of-experts layer's widths.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from kernels.triton import ops
 from kernels.triton.backend import AttentionShape, TritonAttentionBackend
+from kernels.triton.moe import BLOCK_M, max_blocks, moe_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +189,28 @@ def layer_launches(dtype: torch.dtype, hidden: int, intermediate: int, num_heads
                                (vocab, hidden, False)):
                 linear_batch_invariant(torch.empty(t, k, **m), torch.empty(n, k, **m),
                                        torch.empty(n, **m) if bias else None)
+    return launches
+
+
+def moe_launches(dtype: torch.dtype, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 deterministic: bool = False) -> list:
+    """The fused-MoE launches of one rank at these widths, dry over meta tensors (the compile check):
+    gate|up and down."""
+    m = dict(device="meta")
+    t = 3
+    pairs = t * top_k
+    rows = max_blocks(pairs, num_experts) * BLOCK_M
+    sorted_ids = torch.empty(rows, dtype=torch.int32, **m)
+    block_expert = torch.empty(rows // BLOCK_M, dtype=torch.int32, **m)
+    num_post = torch.empty(1, dtype=torch.int32, **m)
+    weights = torch.empty(pairs, dtype=torch.float32, **m)
+    with record_launches(dry=True) as launches:
+        moe_gemm(torch.empty(t, hidden, dtype=dtype, **m), torch.empty(num_experts, 2 * intermediate, hidden,
+                 dtype=dtype, **m), torch.empty(pairs, 2 * intermediate, dtype=dtype, **m), weights, sorted_ids,
+                 block_expert, num_post, pairs, top_k, False, False, deterministic)
+        moe_gemm(torch.empty(pairs, intermediate, dtype=dtype, **m), torch.empty(num_experts, hidden, intermediate,
+                 dtype=dtype, **m), torch.empty(pairs, hidden, dtype=torch.float32, **m), weights, sorted_ids,
+                 block_expert, num_post, pairs, top_k, True, True, deterministic)
     return launches
 
 

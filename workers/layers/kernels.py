@@ -40,6 +40,7 @@ import torch.nn as nn
 from workers.allocator import huge_empty
 from workers.layers.embedding import ParallelLMHead
 from workers.layers.linear import ReplicatedLinear, RowParallelLinear, _ColumnShards
+from workers.layers.moe import FusedMoE
 
 logger = logging.getLogger(__name__)
 LINEAR_LAYOUTS = ("packed", "blas")
@@ -98,6 +99,8 @@ def bind_layer_ops(model: nn.Module, ops, deterministic: bool = False) -> None:
             module.ops = ops
         if deterministic and isinstance(module, (ReplicatedLinear, _ColumnShards, RowParallelLinear, ParallelLMHead)):
             module.linear = ops.linear_fixed_order
+        if isinstance(module, FusedMoE):
+            module.deterministic = deterministic
 
 
 def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False) -> None:
@@ -111,6 +114,8 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False) -
     for module in model.modules():
         if hasattr(module, "ops"):  # RMSNorm, RotaryEmbedding, gated MLPs: they declare the slot
             module.ops = layer_ops
+        if isinstance(module, FusedMoE):  # expert weights in padded column panels for moe.cpp
+            module.pack_for_cpu(layer_ops)
         if isinstance(module, (ReplicatedLinear, _ColumnShards, RowParallelLinear)):
             module.weight.data = _relaid(module.weight.data, layer_ops, layout)
             module.linear = linear

@@ -10,15 +10,19 @@ from engine.config import sliding_window  # noqa: F401  (the engine owns the rul
 from workers.layers.linear import kv_head_partition
 from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workers.models.llama import LlamaForCausalLM
+from workers.models.mixtral import MixtralForCausalLM
 from workers.models.opt import OPTForCausalLM
 from workers.models.phi3 import Phi3ForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
 from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.models.qwen3_moe import Qwen3MoeForCausalLM
 from workers.parallel_state import TPGroup
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,

@@ -2,7 +2,8 @@
 a process without the interpreter): every variant of its cover — attention in float16, bfloat16 and
 float32 at head sizes 64, 80, 96, 128 and 256, GQA ratios 1-8, block sizes 1, 8, 16 and 32, every
 split count (1-32), both tiles, deterministic mode; the layer ops at the widths of OPT-125m,
-Qwen2-0.5B, Llama-3.2-1B, Gemma-2-2B, Phi-2, Phi-3-mini, Qwen2.5-7B and Llama-3-8B — compiled for
+Qwen2-0.5B, Llama-3.2-1B, Gemma-2-2B, Phi-2, Phi-3-mini, Qwen2.5-7B and Llama-3-8B; the fused MoE at
+Mixtral-8x7B's and Qwen3-30B-A3B's — compiled for
 sm_80 and sm_90, none rejected, each within its target's shared memory per block (163 KiB, 227 KiB).
 The module's docstring says how the cover is picked from the few thousand distinct variants; here
 the report shows that each kind of variant was compiled. About a minute with the two targets
@@ -56,7 +57,8 @@ def test_the_cover_holds_every_kind_of_variant(report):
     for r in rows:
         by_kernel.setdefault(r["kernel"], []).append(r["constexprs"])
     assert set(by_kernel) == {"_paged_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel",
-                              "_rms_norm_kernel", "_rotary_neox_kernel", "_silu_and_mul_kernel", "_linear_kernel"}
+                              "_rms_norm_kernel", "_rotary_neox_kernel", "_silu_and_mul_kernel", "_linear_kernel",
+                              "_fused_moe_kernel"}
     attention = by_kernel["_paged_attention_kernel"]
     assert {c["HEAD_DIM"] for c in attention} == {64, 80, 96, 128, 256}
     assert {c["NUM_SPLITS"] for c in attention} == {1, 2, 4, 8, 16, 32}
@@ -68,4 +70,8 @@ def test_the_cover_holds_every_kind_of_variant(report):
     assert {(c["BLOCK"], c["HAS_RESIDUAL"]) for c in by_kernel["_rms_norm_kernel"]} == {
         (b, r) for b in (1024, 2048, 4096) for r in (False, True)}
     assert {c["HALF"] for c in by_kernel["_rotary_neox_kernel"]} == {32, 40, 48, 64, 128}
+    moe = [r for r in rows if r["kernel"] == "_fused_moe_kernel"]  # gate|up and down in every dtype
+    assert {(r["critical"].split(",")[1].strip(), r["constexprs"]["MUL_ROUTED_WEIGHT"]) for r in moe} == {
+        (f"'*{t}'", w) for t in ("fp16", "bf16", "fp32") for w in (False, True)}
+    print(f"fused MoE: {len(moe)} variants per target, {sum(r['seconds'] for r in moe):.1f} s on sm_90")
     assert data["distinct_variants"] > 10 * data["compiled_per_target"]

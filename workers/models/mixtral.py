@@ -1,0 +1,115 @@
+"""Mixtral: the Llama/Mistral decoder with a sparse mixture-of-experts MLP in every layer (8 experts,
+top 2, the chosen two's softmax weights renormalised to sum to one).
+
+Per layer and rank: the Llama attention (``LlamaAttention``), then ``block_sparse_moe`` (router +
+experts, ``workers.layers.moe.FusedMoE``): under tensor parallelism every expert's intermediate
+features are split across ranks; with ``expert_parallel`` whole experts are (the same all-reduce
+combines either). The compiled decoder stack does not apply (it runs dense MLPs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from kernels import PagedAttentionMetadata
+from workers.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from workers.layers.moe import FusedMoE, expert_route
+from workers.models.llama import KVCache, LlamaArgs, LlamaAttention, LlamaModel
+from workers.parallel_state import TPGroup
+from workers.weight_loader import WeightSlice, load_into
+
+
+@dataclass(frozen=True)
+class MoeArgs:
+    """The router's settings of a mixture-of-experts config."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    expert_intermediate_size: int
+
+
+def mixtral_moe_args(cfg: dict[str, Any]) -> MoeArgs:
+    return MoeArgs(cfg["num_local_experts"], cfg["num_experts_per_tok"], True, cfg["intermediate_size"])
+
+
+class MoeDecoderLayer(nn.Module):
+    """RMSNorm -> attention -> RMSNorm -> ``mlp`` (a ``FusedMoE`` or a dense MLP), under the name the
+    checkpoint gives it (``mlp_name``: ``block_sparse_moe`` in Mixtral, ``mlp`` in Qwen3-MoE)."""
+
+    def __init__(self, args: LlamaArgs, attention: nn.Module, mlp: nn.Module, mlp_name: str, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return getattr(self, self.mlp_name)(hidden), residual
+
+
+class MoeModel(LlamaModel):
+    """The Llama model's embedding, layer loop and final norm around ``layers`` built by the caller."""
+
+    def __init__(self, args: LlamaArgs, layers: list[nn.Module], tp: TPGroup, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        nn.Module.__init__(self)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype, device)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.stack = None
+
+    def bind_decoder_stack(self, layer_ops) -> bool:
+        return False  # the compiled stack runs dense MLPs only
+
+
+class MixtralForCausalLM(nn.Module):
+    """One tensor-parallel rank of a Mixtral causal LM. ``expert_parallel``: whole experts per rank."""
+
+    stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+                      ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+    supports_expert_parallel = True
+
+    def __init__(self, hf_config: dict[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device,
+                 expert_parallel: bool = False) -> None:
+        super().__init__()
+        self.args = args = LlamaArgs.from_hf(hf_config)
+        rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope, device)
+        layers = [self.make_layer(hf_config, i, args, rotary, tp, dtype, device, expert_parallel)
+                  for i in range(args.num_layers)]
+        self.model = MoeModel(args, layers, tp, dtype, device)
+        tied_to = self.model.embed_tokens if args.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype, device, tied_to=tied_to)
+
+    def make_layer(self, hf_config: dict[str, Any], index: int, args: LlamaArgs, rotary: RotaryEmbedding,
+                   tp: TPGroup, dtype: torch.dtype, device: torch.device, expert_parallel: bool) -> nn.Module:
+        moe = mixtral_moe_args(hf_config)
+        mlp = FusedMoE(moe.num_experts, moe.top_k, args.hidden_size, moe.expert_intermediate_size, moe.renormalize,
+                       args.hidden_act, tp, dtype, device, expert_parallel)
+        return MoeDecoderLayer(args, LlamaAttention(args, rotary, tp, dtype, device), mlp, "block_sparse_moe",
+                               dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: PagedAttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> None:
+        ignore = ("lm_head.weight",) if self.args.tie_word_embeddings else ()
+        load_into(self, weights, self.stacked_params, ignore, route=expert_route)
