@@ -11,10 +11,12 @@ tensors, partial rotary and LongRoPE.
   factor as transformers computes it): see ``RotaryEmbedding``. A request whose prompt is longer than the
   original length is rotated with the long factors throughout, as one transformers forward over it is;
   a shorter one with the short factors, and, if its decoding carries it past the original length, its
-  later tokens with the long factors while the keys already cached keep theirs (transformers' own
-  generate() with a KV cache does the same; one transformers forward over the whole final sequence
-  would instead rotate every position with the long factors). The engine keeps the two kinds of
-  requests apart in the prefix cache (``engine.config.long_rope_threshold``).
+  later tokens with the long factors while the keys already cached keep their short rotation. That is
+  vLLM's behaviour (its Phi3LongRoPE offsets only the positions of the current forward), not
+  transformers' generate(): Phi-3's ``prepare_inputs_for_generation`` drops the KV cache when the
+  sequence reaches original + 1 tokens and recomputes all of it with the long factors, so the tokens
+  generated after the crossing can differ from transformers' generate(). The engine keeps the two
+  kinds of requests apart in the prefix cache (``engine.config.long_rope_threshold``).
 - Old configs' rope types ``su`` and ``yarn`` are LongRoPE, as transformers reads them for Phi-3.
 """
 
