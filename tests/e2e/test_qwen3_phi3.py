@@ -3,7 +3,9 @@ forcing) on the `tiny` presets: on the compiled CPU kernels (decoder stack inclu
 with prefix caching, chunked prefill, preemption and shared-prefix attention all in play, and on the
 Triton kernels (interpreter); Phi-3's LongRoPE with prompts wholly below and wholly above its original
 length (256), the two kinds kept apart in the prefix cache, and a prompt that decoding carries across
-it (judged against transformers' own decoding with a KV cache, which is what the engine computes);
+it (judged against transformers decoding with a KV cache it keeps, which is what the engine computes,
+as vLLM does; transformers' generate() instead recomputes the whole sequence with the long factors at
+the crossing);
 Qwen3 in deterministic mode; an unsupported rope type refused."""
 
 from __future__ import annotations
@@ -49,17 +51,25 @@ def test_greedy_matches_hf(arch, backend, family_dirs, family_oracle, stress_run
 
 def test_phi3_long_and_short_prompts_do_not_share_blocks(family_dirs, family_oracle):
     """A prompt of 200 tokens (short factors) and one of 300 starting with the same 200 (long factors
-    everywhere): the same tokens, different KV, so no hit between them; a second long prompt with
-    that prefix hits the first long one's blocks."""
+    everywhere): the same tokens, different KV. Each runs alone, one after the other, so the first's
+    blocks are in the prefix cache when the second is scheduled: no hit between them, in either order
+    (the order reversed after a reset). Controls: a second short prompt (210 tokens) and a second long
+    one (280) with that prefix each hit the blocks of their own kind (12 full blocks of 16)."""
     ids = list(corpus_ids(f"{family_dirs['phi3']}/tokenizer.json"))
-    short, long_a, long_b = ids[:200], ids[:200] + ids[4000:4100], ids[:200] + ids[7000:7080]
+    short_a, short_b = ids[:200], ids[:200] + ids[9000:9010]
+    long_a, long_b = ids[:200] + ids[4000:4100], ids[:200] + ids[7000:7080]
+    outs = {}
     with LLM(model=family_dirs["phi3"], attention_backend="cpu") as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in (short, long_a)], GREEDY)
-        assert [o.num_cached_tokens for o in outs] == [0, 0]
-        third = llm.generate({"prompt_token_ids": long_b}, GREEDY)[0]
-        assert third.num_cached_tokens == 192  # long_a's 12 full blocks of 16 under the prefix
-        assert llm.stats()["prefix_cache_hits"] == 192
-    check(family_oracle("phi3"), [short, long_a, long_b], [o.outputs[0].token_ids for o in (*outs, third)])
+        for order in ((short_a, long_a, short_b, long_b), (long_a, short_a, long_b, short_b)):
+            cached = []
+            for prompt in order:
+                out = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+                cached.append(out.num_cached_tokens)
+                outs.setdefault(tuple(prompt), out.outputs[0].token_ids)
+            assert cached == [0, 0, 192, 192], [len(p) for p in order]
+            assert llm.reset_prefix_cache()
+    prompts = [short_a, short_b, long_a, long_b]
+    check(family_oracle("phi3"), prompts, [outs[tuple(p)] for p in prompts])
 
 
 def hf_cached_decode_logits(oracle, prompt, outputs):
@@ -77,9 +87,11 @@ def hf_cached_decode_logits(oracle, prompt, outputs):
 
 def test_phi3_decoding_across_the_original_length(family_dirs, family_oracle):
     """A 250-token prompt (short factors) decoded to 262: the tokens at positions 256 and on are rotated
-    with the long factors, the cached keys keep their short rotation. That is what transformers computes
-    when it decodes with its KV cache: the engine's tokens are its greedy choices there and its logprobs
-    its log-softmax (up to position 255 that is one forward over the first 256 tokens; one forward over all
+    with the long factors, the cached keys keep their short rotation (vLLM's behaviour). That is what
+    transformers' model computes when fed one token at a time with the KV cache kept (not generate(),
+    which drops the cache at the crossing and recomputes everything with the long factors, as one forward
+    over the whole sequence does): the engine's tokens are its greedy choices there and its logprobs its
+    log-softmax (up to position 255 that is one forward over the first 256 tokens; one forward over all
     262, long factors everywhere, differs)."""
     ids = list(corpus_ids(f"{family_dirs['phi3']}/tokenizer.json"))
     prompt, oracle = ids[1000:1250], family_oracle("phi3")
