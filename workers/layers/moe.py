@@ -51,7 +51,9 @@ def expert_route(name: str) -> tuple[str, ShardId] | None:
 
 def expert_partition(num_experts: int, tp: TPGroup, expert_parallel: bool) -> tuple[int, int]:
     """(first expert, experts) held by this rank: all of them, or under ``expert_parallel`` a
-    contiguous range, the experts split as evenly as they go (ranks r < E mod tp one more)."""
+    contiguous range: rank r holds experts [E r // tp, E (r + 1) // tp), so the counts differ by at most
+    one and, where tp does not divide E, the extra ones do not go to the first ranks (5 experts over 2
+    ranks: 2, then 3; 10 over 4: 2, 3, 2, 3)."""
     if not expert_parallel:
         return 0, num_experts
     if num_experts < tp.size:
