@@ -22,6 +22,10 @@ def _read_json(path: Path) -> dict:
 # architectures whose sliding-window layers the kernels implement (a window per layer): their contexts
 # are not capped to the window
 WINDOWED_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+# the Llama-family models, whose runner offsets long prompts' positions into LongRoPE's long factors
+# (``RotaryEmbedding.long_rope``); a LongRoPE config on any other architecture is refused
+LONG_ROPE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                     "Qwen3ForCausalLM", "Phi3ForCausalLM"})
 
 
 def sliding_window(hf_config: dict) -> int | None:
@@ -47,8 +51,19 @@ def long_rope_threshold(hf_config: dict) -> int | None:
     params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type"))
     if rope_type in ("longrope", "su") or (rope_type == "yarn" and hf_config.get("model_type") == "phi3"):
-        return params.get("original_max_position_embeddings") or hf_config.get("original_max_position_embeddings")
+        # as ``workers.layers.rope_parameters`` reads it (transformers' ``standardize_rope_params``): a top-level
+        # value wins, else the rope settings', else max_position_embeddings
+        return (hf_config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                or hf_config.get("max_position_embeddings"))
     return None
+
+
+def _uses_long_rope(hf_config: dict) -> bool:
+    """Whether any rope settings of the config (per layer type too, as Gemma 3's) are LongRoPE."""
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    nested = [p for p in params.values() if isinstance(p, dict)]
+    return long_rope_threshold(hf_config) is not None or any(
+        p.get("rope_type", p.get("type")) in ("longrope", "su") for p in nested)
 
 
 def _as_ids(value) -> tuple[int, ...]:
@@ -90,6 +105,9 @@ class ModelConfig:
         architectures = hf_config.get("architectures") or []
         if not architectures:
             raise ValueError(f"{root}/config.json names no architectures")
+        if _uses_long_rope(hf_config) and architectures[0] not in LONG_ROPE_ARCHITECTURES:
+            raise ValueError(f"{architectures[0]} cannot serve LongRoPE (longrope rope settings): only "
+                             f"{', '.join(sorted(LONG_ROPE_ARCHITECTURES))} rotate long prompts with its long factors")
         max_positions = int(hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048)
         # Mistral and Qwen2 attend fully here, so their contexts stay within the window; the windows of
         # WINDOWED_ARCHITECTURES are the kernels' (per layer)

@@ -46,6 +46,9 @@ class ModelRunner:
             raise ValueError(f"enable_expert_parallel is not supported for {model_cls.__name__}")
         extra = {"expert_parallel": True} if config.parallel.enable_expert_parallel else {}
         self.model = model_cls(hf_config, tp, dtype, device, **extra)
+        if config.model.long_rope_threshold is not None and getattr(self.model, "long_rope", None) is None:
+            raise ValueError(f"{config.model.architecture} cannot serve LongRoPE: it has no long-prompt position "
+                             "offsets, so long prompts would be rotated with the short factors")
         self.model.load_weights(iter_checkpoint(config.model.path))
         self.model.eval()
         num_layers, kv_heads, head_dim, replicated = kv_cache_shape(hf_config, tp.size)

@@ -13,12 +13,18 @@ from kernels import apply_rotary_emb
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The rope settings of a config, from transformers-5 ``rope_parameters`` or the older
-    ``rope_scaling`` + ``rope_theta``; always with ``rope_type`` and ``rope_theta``."""
+    ``rope_scaling`` + ``rope_theta``; always with ``rope_type`` and ``rope_theta``. Under llama3, yarn and
+    longrope (``su``: its old name) also with ``original_max_position_embeddings`` as transformers' rotary
+    reads it (``standardize_rope_params``): a top-level one (Phi-3 keeps it there) wins over the rope
+    settings' own, else max_position_embeddings."""
     params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    if params["rope_type"] in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings", hf_config["max_position_embeddings"])
+    if params["rope_type"] in ("llama3", "yarn", "longrope", "su"):
+        if hf_config.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = hf_config["original_max_position_embeddings"]
+        else:
+            params.setdefault("original_max_position_embeddings", hf_config["max_position_embeddings"])
     return params
 
 
@@ -93,13 +99,20 @@ class RotaryEmbedding(nn.Module):
     longrope (Phi-3): transformers rotates every position of a forward with the long factors when the
     forward's longest position is at or past ``original_max_position_embeddings`` (the sequence is longer
     than it), with the short ones otherwise. The cache holds ``2 * max_positions`` rows: row p < max_positions
-    is position p under the short factors below the original length and the long ones from it on (what
-    transformers' own decoding with a KV cache computes: the prompt's keys stay as they were rotated and
-    each later token is rotated by the rule for the sequence so far), and row max_positions + p is position
-    p under the long factors. ``long_rope`` = (original length, max_positions): the model runner offsets
-    the positions of a request whose prompt is longer than the original length by max_positions, so a
-    prompt wholly below it and one wholly above it are both rotated exactly as one transformers forward
-    over the whole sequence rotates them.
+    is position p under the short factors below the original length and the long ones from it on, and row
+    max_positions + p is position p under the long factors. ``long_rope`` = (original length,
+    max_positions): the model runner offsets the positions of a request whose prompt is longer than the
+    original length by max_positions, so a prompt wholly below it and one wholly above it are both rotated
+    exactly as one transformers forward over the whole sequence rotates them. A short prompt that decoding
+    carries past the original length gets its later tokens rotated with the long factors while the keys
+    already cached keep their short rotation: vLLM's behaviour (its Phi3LongRoPE offsets only the positions
+    of the current forward), not transformers' generate(), whose Phi-3 ``prepare_inputs_for_generation``
+    drops the cache when the sequence reaches original + 1 tokens and recomputes all of it with the long
+    factors; so tokens generated after the crossing can differ from transformers' generate().
+
+    linear: positions are divided by ``factor`` (the frequencies are), and the cache holds the positions a
+    request can reach, ``max_position_embeddings`` (the engine caps max_model_len there): Gemma 3's is
+    already the extended length.
     """
 
     def __init__(
@@ -119,7 +132,6 @@ class RotaryEmbedding(nn.Module):
         long_inv_freq = None
         if rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
-            max_positions = int(max_position_embeddings * params["factor"])
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
         elif rope_type == "yarn":
