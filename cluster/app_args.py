@@ -5,6 +5,8 @@ from (`api_key_env`, `api_key_file`). No Ray here: `serve_app.build_app` turns t
 
 from __future__ import annotations
 
+import json
+
 import os
 from typing import Any, Literal
 
@@ -64,18 +66,37 @@ def _with_options(options: dict, overrides: dict) -> dict:
     return merged
 
 
+_JSON_EXAMPLES = {"engine_kwargs": '{"max_num_seqs": 64}', "model_loading_config": '{"model_id": "my-model"}'}
+
+
+def _json_mapping(value: Any, name: str) -> Any:
+    """A mapping-valued argument given as text (`serve run serve_app:app 'name={"key": 1}'` passes
+    every value as a string) read as JSON; anything else is returned as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        example = _JSON_EXAMPLES.get(name, '{"num_replicas": 2}')
+        raise ValueError(f"{name} must be a mapping; on the command line, a JSON object such as "
+                         f"{name}='{example}' (got {value!r})")
+    return parsed
+
+
 def _flatten(data: Any, name: str, flat_keys: dict[str, str], shape: str, noun: str) -> Any:
-    """``data[name]``, a nested mapping, merged into the flat keys it names (``flat_keys``: nested key ->
-    flat key); a key given both ways must agree."""
+    """``data[name]``, a nested mapping (or its JSON text), merged into the flat keys it names
+    (``flat_keys``: nested key -> flat key); a key given both ways must agree."""
     if not isinstance(data, dict) or not data.get(name):
         return data
-    nested = data[name]
+    nested = _json_mapping(data[name], name)
     if not isinstance(nested, dict):
         raise ValueError(f"{name} must be {shape}")
     unknown = sorted(set(nested) - set(flat_keys))
     if unknown:
         raise ValueError(f"{name}: unknown {noun} {unknown[0]!r} (known: {', '.join(sorted(flat_keys))})")
-    merged = dict(data)
+    merged = {**data, name: nested}
     for key, value in nested.items():
         flat = flat_keys[key]
         if data.get(flat) is not None and data[flat] != value:
@@ -188,6 +209,16 @@ class AppArgs(BaseModel):
         """engine_kwargs' settings become the flat keys (a key given both ways must agree)."""
         return _flatten(data, "engine_kwargs", {key: key for key in ENGINE_KWARGS}, "a mapping of engine settings",
                         "engine setting")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deployment_configs(cls, data: Any) -> Any:
+        """deployment_config and ingress_deployment_config may come as JSON text (the command line)."""
+        if not isinstance(data, dict):
+            return data
+        return {**data, **{name: _json_mapping(data[name], name) for name in ("deployment_config",
+                                                                              "ingress_deployment_config")
+                           if name in data}}
 
     @model_validator(mode="before")
     @classmethod

