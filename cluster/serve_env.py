@@ -16,7 +16,7 @@
 
 Measured under vLLM's serving client (shared prefix, concurrency 48, 192 prompts, 2 cores): the proxy,
 Ingress and LLMServer used 8.4 CPU-seconds with Serve's defaults, 7.5 with the first two, the proxy 3.6
--> 1.8 with the third (output tok/s 472 -> 533). HAProxy's figures: docs/architecture.md. An
+-> 1.8 with the third (output tok/s 472 -> 533). HAProxy's figures: docs/benchmarks.md. An
 environment that sets any of them wins.
 
 ``python -m cluster.serve_env`` prints them as ``KEY=VALUE`` words for a shell (`make serve` starts
