@@ -41,9 +41,14 @@ HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT
 # on a reload (the Ingress replicas changed) the old HAProxy is stopped this long after, cutting the
 # streams it still carries: Serve's 120 s would cut long generations; an hour, as HAProxy's client timeout
 HARD_STOP = "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S"
+# behind HAProxy an Ingress replica that stops first drains for at least this long (Serve's 30 s, for
+# HAProxy to stop sending it requests; its reload on the replica change is immediate here, and a
+# refused connection is retried on another replica): every stop of `serve run` waited for it
+# (serve.shutdown 31.6 s, 9.3 s with 5)
+DRAIN = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 # what the cluster's own processes (controller, proxies) read, set only where this process starts the
 # cluster: the replicas inherit them from it, and a cluster started elsewhere keeps its own choice
-CLUSTER_ENV = {HA_PROXY: "1", HARD_STOP: "3600"}
+CLUSTER_ENV = {HA_PROXY: "1", HARD_STOP: "3600", DRAIN: "5"}
 KEYS = (*SERVE_ENV, *CLUSTER_ENV, *HAPROXY_PORTS)  # every variable effective_serve_env may set
 
 

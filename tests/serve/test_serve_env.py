@@ -11,7 +11,7 @@ import sys
 import ray
 
 import serve_app
-from cluster.serve_env import HA_PROXY, HAPROXY_PORTS, HARD_STOP, KEYS, haproxy_found
+from cluster.serve_env import DRAIN, HA_PROXY, HAPROXY_PORTS, HARD_STOP, KEYS, haproxy_found
 
 
 def _env_vars(deployment) -> dict:
@@ -29,7 +29,7 @@ def test_both_deployments_carry_serve_env_and_the_environment_wins(model_dirs, m
     assert _env_vars(ingress) == _env_vars(llm_server) == serve_app.SERVE_ENV
     assert {key: os.environ[key] for key in serve_app.SERVE_ENV} == serve_app.SERVE_ENV  # for the local cluster
     # the cluster-level ones are for the local cluster only, not carried by the replicas
-    assert os.environ[HA_PROXY] == "1" and os.environ[HARD_STOP] == "3600"
+    assert (os.environ[HA_PROXY], os.environ[HARD_STOP], os.environ[DRAIN]) == ("1", "3600", "5")
     ports = [int(os.environ[key]) for key in HAPROXY_PORTS]
     assert len(set(ports)) == 2 and all(1024 <= port < 65536 for port in ports)
     monkeypatch.setenv("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "1")
@@ -69,7 +69,7 @@ def test_haproxy_where_its_binary_is_found_and_the_environment_wins(tmp_path):
         assert haproxy_found()
     printed = _printed()
     assert {key: printed[key] for key in serve_app.SERVE_ENV} == serve_app.SERVE_ENV
-    assert (printed[HA_PROXY], printed[HARD_STOP]) == ("1", "3600")
+    assert (printed[HA_PROXY], printed[HARD_STOP], printed[DRAIN]) == ("1", "3600", "5")
     assert _printed(RAY_SERVE_HAPROXY_BINARY_PATH=str(tmp_path / "none")) == {**serve_app.SERVE_ENV, HA_PROXY: "0"}
     script = tmp_path / "haproxy"
     script.write_text("#!/bin/sh\n")
