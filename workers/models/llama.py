@@ -117,6 +117,20 @@ class LlamaMLP(nn.Module):
         return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
 
 
+def pre_norm_block(layer: nn.Module, mlp: nn.Module, positions: torch.Tensor, hidden: torch.Tensor,
+                   residual: torch.Tensor | None, kv_cache: KVCache, meta: PagedAttentionMetadata
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer of the Llama shape: ``layer.input_layernorm`` -> ``layer.self_attn`` ->
+    ``layer.post_attention_layernorm`` -> ``mlp``, the norms carrying the residual stream."""
+    if residual is None:
+        hidden, residual = layer.input_layernorm(hidden), hidden
+    else:
+        hidden, residual = layer.input_layernorm(hidden, residual)
+    hidden = layer.self_attn(positions, hidden, kv_cache, meta)
+    hidden, residual = layer.post_attention_layernorm(hidden, residual)
+    return mlp(hidden), residual
+
+
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[nn.Module] = LlamaAttention  # a subclass's attention (Qwen3's adds q/k norms)
 
@@ -137,13 +151,7 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: PagedAttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return pre_norm_block(self, self.mlp, positions, hidden, residual, kv_cache, meta)
 
 
 class LlamaModel(nn.Module):

@@ -19,7 +19,7 @@ import torch.nn as nn
 from kernels import PagedAttentionMetadata
 from workers.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from workers.layers.moe import FusedMoE, expert_route
-from workers.models.llama import KVCache, LlamaArgs, LlamaAttention, LlamaModel
+from workers.models.llama import KVCache, LlamaArgs, LlamaAttention, LlamaModel, pre_norm_block
 from workers.parallel_state import TPGroup
 from workers.weight_loader import WeightSlice, load_into
 
@@ -53,13 +53,7 @@ class MoeDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
+        return pre_norm_block(self, getattr(self, self.mlp_name), positions, hidden, residual, kv_cache, meta)
 
 
 class MoeModel(LlamaModel):
