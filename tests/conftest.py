@@ -73,16 +73,21 @@ class HFOracle:
         return self.torch.log_softmax(self.logits(token_ids), dim=-1)
 
 
-@pytest.fixture(scope="session")
-def hf_oracle(model_dirs):
+def oracles_of(dirs: dict[str, str]):
+    """``get(arch)``: the HFOracle of ``dirs[arch]``, made once on first use."""
     cache: dict[str, HFOracle] = {}
 
     def get(arch: str) -> HFOracle:
         if arch not in cache:
-            cache[arch] = HFOracle(model_dirs[arch])
+            cache[arch] = HFOracle(dirs[arch])
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(model_dirs):
+    return oracles_of(model_dirs)
 
 
 @pytest.fixture(scope="session")
@@ -97,14 +102,7 @@ def family_dirs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def family_oracle(family_dirs):
-    cache: dict[str, HFOracle] = {}
-
-    def get(arch: str) -> HFOracle:
-        if arch not in cache:
-            cache[arch] = HFOracle(family_dirs[arch])
-        return cache[arch]
-
-    return get
+    return oracles_of(family_dirs)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import HFOracle
+from tests.conftest import oracles_of
 from tests.e2e.prompts import test_prompts as make_prompts
 from tests.e2e.test_deterministic import run_with_others, target_prompt
 
@@ -33,14 +33,7 @@ def moe_dirs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def moe_oracle(moe_dirs):
-    cache: dict[str, HFOracle] = {}
-
-    def get(arch: str) -> HFOracle:
-        if arch not in cache:
-            cache[arch] = HFOracle(moe_dirs[arch])
-        return cache[arch]
-
-    return get
+    return oracles_of(moe_dirs)
 
 
 def moe_layers(llm):
