@@ -4,36 +4,13 @@ reference (``tests/kernels/test_window_softcap.py``, ``tests/kernels/triton/test
 from __future__ import annotations
 
 import math
-import random
 
-import numpy as np
 import torch
 
-from kernels import CascadeGroups, PagedAttentionMetadata, paged_attention
+from kernels import PagedAttentionMetadata, paged_attention
 from kernels.reference import naive_causal_attention
-from workers.cascade import plan_cascade
-
-
-class Pool:
-    """A pool whose null block holds NaN: any read of padding would poison the output."""
-
-    def __init__(self, num_blocks, block_size, kv_heads, head_dim, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        self.block_size = block_size
-        self.k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-        self.v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-        self.k[0] = float("nan")
-        self.v[0] = float("nan")
-        self.free = list(range(1, num_blocks))
-        random.Random(seed).shuffle(self.free)
-
-    def blocks(self, num_tokens):
-        return [self.free.pop() for _ in range(-(-num_tokens // self.block_size))]
-
-    def context(self, table, seq_len):
-        idx = torch.tensor(table[: -(-seq_len // self.block_size)])
-        shape = (-1,) + tuple(self.k.shape[2:])
-        return self.k[idx].reshape(shape)[:seq_len], self.v[idx].reshape(shape)[:seq_len]
+from tests.kernels.test_cpu_attention import Pool, shared_batch  # noqa: F401 - Pool: the window tests' pool
+from tests.kernels.test_cpu_attention import plan_for as groups_of  # noqa: F401 - the window tests' name
 
 
 def step(backend, pool, specs, tables, num_heads, window, softcap, cascade=None, deterministic=False, seed=1,
@@ -73,29 +50,9 @@ def ragged(pool, rng, num_seqs, max_len):
     return specs, tables
 
 
-def groups_of(specs, tables, block_size, **kw):
-    width = max(len(t) for t in tables)
-    table = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
-    plan = plan_cascade(table, np.array([s - q for q, s in specs]), block_size, **kw)
-    if plan is None:
-        return None
-    to = torch.from_numpy
-    return CascadeGroups(to(plan.kv_starts), to(plan.block_tables), to(plan.lens), to(plan.member_start),
-                         to(plan.members))
-
-
 def shared(pool, groups, extra=()):
     """(shared tokens, members' (query_len, seq_len)) per group, then unshared sequences."""
-    specs, tables = [], []
-    for length, members in groups:
-        prefix = pool.blocks(length)
-        for q, s in members:
-            specs.append((q, s))
-            tables.append(prefix + pool.blocks(s - len(prefix) * pool.block_size))
-    for q, s in extra:
-        specs.append((q, s))
-        tables.append(pool.blocks(s))
-    return specs, tables
+    return shared_batch(pool, groups, extra)
 
 
 def with_threads(n, fn):
