@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.kv_layout import KVLayout
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 TP_DISPATCH = ("remote", "compiled")
@@ -149,6 +151,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_host_kv_blocks: int = 0
     kv_offload_bytes: int | None = None
+    # models with sliding-window and full-attention layers (Gemma 2 / 3): True keeps every layer's
+    # blocks as a full layer's, instead of releasing the window layers' blocks behind their window
+    # (``engine.kv_layout``; vLLM's name). The host tier keeps every layer's blocks whole.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= 1024:
@@ -314,3 +320,13 @@ class EngineConfig:
     @property
     def max_model_len(self) -> int:
         return self.model.max_model_len
+
+    @property
+    def uses_host_tier(self) -> bool:
+        return bool(self.cache.num_host_kv_blocks or self.cache.kv_offload_bytes)
+
+    def kv_layout(self) -> KVLayout:
+        """Which layers' KV each block id holds (``engine.kv_layout``): hybrid for models with window
+        layers unless ``disable_hybrid_kv_cache_manager`` or the host tier (which keeps blocks whole)."""
+        hybrid = not self.cache.disable_hybrid_kv_cache_manager and not self.uses_host_tier
+        return KVLayout.for_model(self.model.hf_config, self.model.architecture, hybrid)

@@ -26,6 +26,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # a hybrid KV layout (``engine.kv_layout``): one list per window group, parallel to ``block_ids``,
+    # the pages holding those blocks of the group's layers (0 where the request holds none); else []
+    window_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -34,6 +37,8 @@ class CachedRequestData:
     new_token_ids: list[int]
     new_block_ids: list[int]
     num_computed_tokens: int
+    # a hybrid KV layout: one list per window group, parallel to ``new_block_ids``; else []
+    new_window_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
