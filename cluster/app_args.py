@@ -43,6 +43,7 @@ ENGINE_KWARGS = frozenset({
     "max_consecutive_failed_steps",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
     "max_stop_token_ids", "max_stop_string_length", "max_stop_total_length", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
+    "disable_hybrid_kv_cache_manager",
     "max_prompt_logprobs_entries",
     "enforce_eager", "structured_output_max_length", "structured_output_max_depth", "structured_output_max_count",
     "structured_output_compile_timeout_s", "structured_output_max_pending_compiles",
@@ -131,6 +132,9 @@ class AppArgs(BaseModel):
     # a second KV tier in host memory, per rank: blocks, or bytes (off by default)
     num_host_kv_blocks: int = 0
     kv_offload_bytes: int | None = None
+    # Gemma 2 / 3: keep the sliding-window layers' blocks as the full layers' are, instead of releasing
+    # those behind the window (vLLM's name)
+    disable_hybrid_kv_cache_manager: bool = False
     # batch-invariant numerics: a greedy request's tokens and logprobs do not depend on its batch
     deterministic: bool = False
     # False: decode steps replay CUDA graphs (CUDA, attention_backend triton); eager by default for now

@@ -41,6 +41,7 @@ def engine_config(
     gpu_memory_utilization: float = 0.9,
     num_host_kv_blocks: int = 0,
     kv_offload_bytes: int | None = None,
+    disable_hybrid_kv_cache_manager: bool = False,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
     max_model_len: int | None = None,
@@ -75,7 +76,8 @@ def engine_config(
     return EngineConfig(
         model=model_config(model, revision=revision, dtype=dtype, max_model_len=max_model_len),
         cache=CacheConfig(block_size, enable_prefix_caching, num_kv_blocks, kv_cache_memory_bytes,
-                          gpu_memory_utilization, num_host_kv_blocks, kv_offload_bytes),
+                          gpu_memory_utilization, num_host_kv_blocks, kv_offload_bytes,
+                          disable_hybrid_kv_cache_manager),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size, placement_strategy, tp_dispatch, enable_expert_parallel),
         device=device,
