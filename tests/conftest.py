@@ -10,6 +10,10 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every stop of a Serve app behind HAProxy waits this long for its Ingress replicas to drain (the users'
+# default is 5 s, ``cluster/serve_env.py``, which tests/serve/test_serve_env.py checks with the
+# environment cleared): the suite stops a few dozen apps
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 
 def pytest_configure(config):
