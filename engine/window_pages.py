@@ -111,4 +111,5 @@ class WindowPages:
         for block in self.blocks[1:]:
             assert block.owner is None or block.block_id in owners, block
         assert held == self.num_held_pages
-        assert self.num_free_blocks == len(free) and self.num_used_blocks + self.num_free_blocks == self.num_usable_blocks
+        assert self.num_free_blocks == len(free)
+        assert self.num_used_blocks + self.num_free_blocks == self.num_usable_blocks
