@@ -5,10 +5,16 @@ with ``WindowRunner``, which reads every window position through the tables sent
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from engine.core import EngineCore
+from engine.executor import Executor
 from engine.kv_layout import KVLayout
+from engine.llm import engine_config
 from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.window_kv import check_pool_fits, max_pages_per_sequence
 from tests.engine.fakes import make_request
@@ -194,3 +200,63 @@ def test_a_hybrid_layout_refuses_the_host_tier_and_a_plain_one_sends_no_window_t
     so = sched.schedule()
     assert so.scheduled_new_reqs[0].window_block_ids == [] and sched.kv.pages_held("a") == 4
     assert sched.kv.block_pool.num_held_pages == 0
+
+
+class WindowExecutor(Executor):
+    """WindowRunner behind the Executor interface; a lost rank (``restart``) comes back empty."""
+
+    def __init__(self, layout, block_size) -> None:
+        self.layout, self.block_size = layout, block_size
+        self.runner = WindowRunner(block_size, layout)
+        self.shut = False
+
+    def determine_num_kv_blocks(self) -> int:
+        raise AssertionError("the tests give num_kv_blocks")
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        pass
+
+    def execute_model(self, so):
+        return self.runner.execute_model(so)
+
+    def restart(self) -> None:
+        self.runner = WindowRunner(self.block_size, self.layout)
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def test_the_engine_runs_gemma3_hybrid_and_reports_its_window_pages(caplog):
+    from tests.gemma_models import gemma_dir
+
+    bs, length = 8, 256
+    config = engine_config(gemma_dir("gemma3"), block_size=bs, num_kv_blocks=200, max_model_len=length,
+                           max_num_batched_tokens=64, worker_restart_backoff_s=0.0)
+    assert config.kv_layout() == GEMMA3 and max_pages_per_sequence(GEMMA3, bs, length, 64) == 32 + 5 * 14
+    executor = WindowExecutor(GEMMA3, bs)
+    with caplog.at_level(logging.INFO, logger="engine.core"):
+        core = EngineCore(config, executor=executor)
+    assert GEMMA3.describe() in caplog.text
+    for i in range(3):
+        core.add_request(f"r{i}", prompt(20 + i, 150), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    core.step()
+    stats = core.stats()
+    assert stats["kv_window_groups"] == 5
+    held = sum(core.scheduler.kv.pages_held(r.request_id) for r in core.scheduler.running)
+    assert stats["kv_window_pages_held"] == core.scheduler.kv.block_pool.num_held_pages > 0
+    assert held == stats["num_blocks_in_use"]  # no prefix shared: every page is one request's
+    core.executor.restart()  # the ranks are lost: every request is recomputed, the prefix cache forgotten
+    core.scheduler.recompute_all()
+    window_pool_check(core.scheduler.kv)
+    assert core.scheduler.kv.block_pool.num_held_pages == 0 and not core.scheduler.running
+    finished = 0
+    for _ in range(500):
+        if not core.has_unfinished_requests():
+            break
+        finished += sum(o.finished for o in core.step())
+        window_pool_check(core.scheduler.kv)
+    assert finished == 3 and core.stats()["kv_window_pages_held"] == 0 and executor.runner.reads > 0
+    with pytest.raises(ValueError, match="with the hybrid KV layout"):
+        EngineCore(engine_config(gemma_dir("gemma3"), block_size=bs, num_kv_blocks=32 + 70, max_model_len=length,
+                                 max_num_batched_tokens=64), executor=(refused := WindowExecutor(GEMMA3, bs)))
+    assert refused.shut
