@@ -200,6 +200,8 @@ def test_a_hybrid_layout_refuses_the_host_tier_and_a_plain_one_sends_no_window_t
     so = sched.schedule()
     assert so.scheduled_new_reqs[0].window_block_ids == [] and sched.kv.pages_held("a") == 4
     assert sched.kv.block_pool.num_held_pages == 0
+    sched.update_from_output(so, runner.execute_model(so))
+    drain(sched, runner)
 
 
 class WindowExecutor(Executor):

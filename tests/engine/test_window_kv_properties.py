@@ -14,7 +14,11 @@ from engine.kv_layout import KVLayout
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler
 from engine.window_kv import max_pages_per_sequence
-from tests.engine.test_scheduler_properties import BLOCK_SIZE, MAX_MODEL_LEN, SchedulerMachine
+from tests.engine.test_scheduler_properties import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    SchedulerMachine,
+)
 from tests.engine.window_fakes import WindowRunner, window_pool_check
 
 LAYOUTS = [KVLayout(6, 9, (0, 1, 2, 3, 4)), KVLayout(4, 6, (0, 2)), KVLayout(3, 5, (1,))]  # G = 5, 1, 1
