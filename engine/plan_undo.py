@@ -9,9 +9,9 @@ preempted request gets its very blocks back: nothing ran, so their KV is intact)
 count, the cached hashes (entries the plan added leave; blocks it evicted get their hash back), the
 tier copies it recorded and the statistics it counted (with a hybrid KV layout, the window holds:
 a request it preempted whose window pages it handed out meanwhile is preempted again, for
-recompute). What is not restored is order only: where
-freed blocks sit in the free queue, the recency of tier entries, and a tier entry dropped to make room
-for an offload the plan recorded (the tier is only a cache: that block is recomputed if needed).
+recompute). What is not restored is order only: where freed blocks sit in the free queue, the
+recency of tier entries, and a tier entry dropped to make room for an offload the plan recorded (the
+tier is only a cache: that block is recomputed if needed).
 
 It costs a copy of ``running`` (at most ``max_num_seqs``) per step, a tuple per request the plan
 touches and an entry per change to the waiting queue (``PlanQueue`` logs them; the queue is not
