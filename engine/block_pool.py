@@ -230,17 +230,19 @@ class BlockPool(WindowPages):
         return self.num_used_blocks / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
-        """A block holding ``block_hash`` with these tokens; one in use first (no eviction order to
-        disturb), else any."""
+        """A block holding ``block_hash`` with these tokens: one with window pages attached first (a
+        hybrid layout: a hit can use them), then one in use (no eviction order to disturb), else any."""
         blocks = self.cached.get(block_hash)
         if not blocks:
             return None
-        found = None
+        found, best = None, (False, False)
         for block in blocks.values():
             if block.token_ids == token_ids:
-                if block.ref_cnt:
+                key = (block.window_pages is not None, block.ref_cnt > 0)
+                if key == (True, True):
                     return block
-                found = found or block
+                if found is None or key > best:
+                    found, best = block, key
         return found
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:

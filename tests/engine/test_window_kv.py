@@ -9,6 +9,7 @@ import logging
 
 import pytest
 
+from engine.block_pool import BlockPool
 from engine.core import EngineCore
 from engine.executor import Executor
 from engine.kv_layout import KVLayout
@@ -262,3 +263,17 @@ def test_the_engine_runs_gemma3_hybrid_and_reports_its_window_pages(caplog):
         EngineCore(engine_config(gemma_dir("gemma3"), block_size=bs, num_kv_blocks=32 + 70, max_model_len=length,
                                  max_num_batched_tokens=64), executor=(refused := WindowExecutor(GEMMA3, bs)))
     assert refused.shut
+
+
+def test_a_hit_takes_the_copy_of_a_block_whose_pages_are_attached():
+    pool = BlockPool(16, True)
+    plain, paged, page = pool.get_new_blocks(3)
+    for block in (plain, paged):
+        pool.cache_block(block, b"h" * 32, (1, 2))
+    pool.attach(paged, [page])
+    pool.release(paged)  # cached: its page stays attached, free
+    pool.free_blocks([plain, paged])
+    assert pool.get_cached_block(b"h" * 32, (1, 2)) is paged  # not the first copy, which has none
+    pool.check_window_invariants(1)
+    pool.touch([plain])
+    assert pool.get_cached_block(b"h" * 32, (1, 2)) is paged  # pages before being in use
