@@ -8,6 +8,8 @@ Invariants (checked by the property tests):
 - the blocks made so far are exactly ids 0 .. k-1, listed in ``BlockPool.blocks`` by id; ids k .. N-1
   are fresh: never handed out, so free, uncached, and with no object yet.
 
+Window pages of a hybrid KV layout: ``engine/window_pages.py`` (``WindowPages``, a base of BlockPool).
+
 A freed block keeps its hash until it is handed out again: that is the prefix cache. The free queue
 is ordered for eviction, least recently freed at the head; the fresh ids come first, in id order::
 
@@ -31,14 +33,16 @@ from itertools import islice
 
 from engine.block_hash import BlockHash
 from engine.prefix_report import REPORT_LIMIT, RecentHashes
+from engine.window_pages import FREE, USED, WindowPages
 
-FREE, CACHED, USED, SHARED = b"fcus"  # a block's state in ``BlockPool.states``
+CACHED, SHARED = b"cs"  # a block's state in ``BlockPool.states``
 
 
 class KVCacheBlock:
     """One block of ``block_size`` KV slots (on every rank and layer at once)."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free", "is_null",
+                 "window_pages", "holds", "owner")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -48,6 +52,9 @@ class KVCacheBlock:
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
+        self.window_pages: list[KVCacheBlock] | None = None  # hybrid layout: its G window pages, if attached
+        self.holds = 0  # requests holding those pages
+        self.owner: KVCacheBlock | None = None  # on a window page: the block it is attached to
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -62,6 +69,8 @@ class FreshBlock:
     block_hash = token_ids = None
     prev_free = next_free = None  # so that taking it out of the free queue is refused
     is_null = False
+    window_pages = owner = None
+    holds = 0
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -164,7 +173,7 @@ class FreeKVCacheBlockQueue:
             yield FreshBlock(block_id)
 
 
-class BlockPool:
+class BlockPool(WindowPages):
     """Hands out blocks, takes them back, and keeps the hash -> block map of the prefix cache."""
 
     def __init__(self, num_blocks: int, enable_caching: bool, report_limit: int = REPORT_LIMIT) -> None:
@@ -189,6 +198,7 @@ class BlockPool:
         self.held_elsewhere: Callable[[BlockHash], bool] | None = None
         self.recent = RecentHashes(report_limit)
         self.states = bytearray(b"u")  # by block id, of the made blocks (the null block's means nothing)
+        self.num_held_pages = 0  # window pages held by requests (hybrid layout: ``WindowPages``)
 
     @property
     def num_free_blocks(self) -> int:
@@ -220,17 +230,19 @@ class BlockPool:
         return self.num_used_blocks / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
-        """A block holding ``block_hash`` with these tokens; one in use first (no eviction order to
-        disturb), else any."""
+        """A block holding ``block_hash`` with these tokens: one with window pages attached first (a
+        hybrid layout: a hit can use them), then one in use (no eviction order to disturb), else any."""
         blocks = self.cached.get(block_hash)
         if not blocks:
             return None
-        found = None
+        found, best = None, (False, False)
         for block in blocks.values():
             if block.token_ids == token_ids:
-                if block.ref_cnt:
+                key = (block.window_pages is not None, block.ref_cnt > 0)
+                if key == (True, True):
                     return block
-                found = found or block
+                if found is None or key > best:
+                    found, best = block, key
         return found
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
@@ -262,6 +274,8 @@ class BlockPool:
         block.block_hash = block.token_ids = None
         if not block.ref_cnt:
             self.states[block.block_id] = FREE
+        if block.window_pages is not None and not block.holds:
+            self._detach(block)  # free pages follow only a cached block
         return True
 
     def forget_elsewhere(self, block_hash: BlockHash, held_elsewhere: Callable[[BlockHash], bool] | None = None) -> None:
@@ -288,6 +302,10 @@ class BlockPool:
         if len(states) < len(self.blocks):  # fresh ids were made into blocks
             states.extend(bytes([FREE]) * (len(self.blocks) - len(states)))
         for block in blocks:
+            if block.owner is not None:  # a free window page: its owner's set is broken up
+                self._detach(block.owner)
+            if block.window_pages is not None:  # a cached block nobody holds the pages of
+                self._detach(block)
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
@@ -346,8 +364,10 @@ class BlockPool:
             return False
         for block in self.blocks:  # fresh blocks hold no hash
             block.block_hash = block.token_ids = None
+            block.window_pages = block.owner = None
         self.cached.clear()
         self.num_cached_blocks = 0
         self.recent.clear()
         self.states[1:] = bytes([FREE]) * (len(self.states) - 1)
         return True
+

@@ -24,6 +24,7 @@ from engine.scheduler import Scheduler
 from engine.step_failures import EngineDeadError, RequestFailedError, StepFailures  # noqa: F401 - re-exported
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
+from engine.window_kv import check_pool_fits
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class EngineCore(StepFailures):
         self.executor = executor or create_executor(config)
         try:
             num_blocks = config.cache.num_kv_blocks or self.executor.determine_num_kv_blocks()
-            self._check_pool_fits(num_blocks)
+            check_pool_fits(num_blocks, config.cache.block_size, config.max_model_len, config.kv_layout(),
+                            config.scheduler.max_num_batched_tokens)  # window pages too, if hybrid
             self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()
@@ -60,7 +62,9 @@ class EngineCore(StepFailures):
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=config.max_model_len,
+            kv_layout=config.kv_layout(),
         )
+        logger.info("KV layout: %s", self.scheduler.kv.layout.describe())
         self.outputs = OutputProcessor(self.tokenizer)
         self.timings = StepTimings()
         self._eos_token_ids = frozenset(config.model.eos_token_ids)
@@ -85,16 +89,6 @@ class EngineCore(StepFailures):
         # never freed: none holds the model, see ``workers.weight_loader.WeakLoader``)
         gc.collect()
         gc.freeze()
-
-    def _check_pool_fits(self, num_blocks: int) -> None:
-        block_size, max_len = self.config.cache.block_size, self.config.max_model_len
-        if -(-max_len // block_size) > num_blocks - 1:
-            raise ValueError(
-                f"the KV pool ({num_blocks - 1} usable blocks of {block_size} tokens = "
-                f"{(num_blocks - 1) * block_size} tokens) cannot hold one sequence of max_model_len="
-                f"{max_len}; give more KV memory or blocks, or set max_model_len <= "
-                f"{(num_blocks - 1) * block_size}"
-            )
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -362,6 +356,8 @@ class EngineCore(StepFailures):
             "kv_cache_usage_peak": s.kv_peak_blocks / pool.num_usable_blocks,
             "kv_waste_at_peak": s.kv_waste_at_peak,
             "block_size": self.config.cache.block_size,
+            "kv_window_groups": sched.kv.num_window_groups,  # hybrid KV layout (0: plain)
+            "kv_window_pages_held": pool.num_held_pages,
             "num_requests_running": len(sched.running),
             "num_requests_waiting": len(sched.waiting),
             "num_prompt_tokens": s.num_prompt_tokens,

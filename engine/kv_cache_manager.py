@@ -1,5 +1,6 @@
 """Per-request block tables on top of the block pool: prefix hits, slot allocation, freeing; and,
-with a host tier, which evicted blocks are copied out and which tier hits are copied back."""
+with a host tier, which evicted blocks are copied out and which tier hits are copied back; with a
+hybrid KV layout, the window pages each request holds (``engine/window_kv.py``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from dataclasses import dataclass
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.host_tier import HostTierIndex, TierEntry
+from engine.kv_layout import KVLayout
 from engine.metrics import HostTierStats
 from engine.request import Request
+from engine.window_kv import WindowHolds
 
 
 @dataclass(frozen=True)
@@ -21,13 +24,18 @@ class TierCopy:
     entry: TierEntry
 
 
-class KVCacheManager:
+class KVCacheManager(WindowHolds):
     """Owns ``req_to_blocks``: request id -> its block table (block i holds tokens
-    [i * block_size, (i + 1) * block_size)). Every block in a table holds one reference."""
+    [i * block_size, (i + 1) * block_size)). Every block in a table holds one reference. With a
+    hybrid ``kv_layout`` (G window groups), each request also holds the G window pages of the blocks
+    from its window on (``engine/window_kv.py``: the holds, and their invariants)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_host_blocks: int = 0,
-                 host_block_bytes: int = 0) -> None:
+                 host_block_bytes: int = 0, kv_layout: KVLayout | None = None) -> None:
         self.block_size = block_size
+        self._init_windows(kv_layout)
+        if self.num_window_groups and num_host_blocks:
+            raise ValueError("the host KV tier keeps every layer's blocks whole: it needs a plain KV layout")
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -72,6 +80,8 @@ class KVCacheManager:
             hits.append(block)
         if self.host_tier is not None and len(hits) < max_blocks:
             hits = self._continue_in_tier(request, hits, max_blocks)
+        if self.num_window_groups:
+            del hits[self._window_chain(hits):]
         return hits, len(hits) * self.block_size
 
     # --- the host tier ----------------------------------------------------------------------------
@@ -178,7 +188,10 @@ class KVCacheManager:
         ``request`` can share, stopping one token short of the prompt like a prefix hit."""
         num_blocks = min((request.num_tokens - 1) // self.block_size,
                          source.num_computed_tokens // self.block_size)
-        return self.req_to_blocks[source.request_id][:num_blocks], num_blocks * self.block_size
+        blocks = self.req_to_blocks[source.request_id][:num_blocks]
+        if self.num_window_groups:
+            del blocks[self._window_chain(blocks):]
+        return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
         self,
@@ -191,8 +204,10 @@ class KVCacheManager:
 
         ``new_computed_blocks`` (a prefix hit or a fork, covering ``num_new_computed_tokens``) join the
         table first. Returns the newly allocated blocks, or None, changing nothing, when the pool is
-        short. Blocks that become full with this step's tokens enter the prefix cache at once: the
-        step stores their KV before any request of the step reads it.
+        short. With G window groups a new block takes 1 + G pages, and the joined blocks from
+        ``first_needed(num_computed)`` on are held (``engine/window_kv.py``). Blocks that become full
+        with this step's tokens enter the prefix cache at once: the step stores their KV before any
+        request of the step reads it.
         """
         new_computed_blocks = new_computed_blocks or []
         table = self.req_to_blocks.setdefault(request.request_id, [])
@@ -201,13 +216,29 @@ class KVCacheManager:
         num_new_blocks = max(num_required - len(table) - len(new_computed_blocks), 0)
         # shared blocks with no other holder sit in the free queue; touching them takes them out
         num_reclaimed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_reclaimed:
+        groups, num_pages, held = self.num_window_groups, num_new_blocks, ()
+        if groups:
+            start = self._win_start.get(request.request_id)
+            if start is None:
+                start = self.first_needed(num_computed)
+            held = new_computed_blocks[max(start - len(table), 0):]
+            # the pages of held blocks nobody else holds sit in the free queue too
+            num_reclaimed += groups * sum(1 for block in held if not block.holds)
+            num_pages += groups * num_new_blocks
+        if num_pages > self.block_pool.num_free_blocks - num_reclaimed:
             if not table:
                 del self.req_to_blocks[request.request_id]
             return None
         self.block_pool.touch(new_computed_blocks)
+        for block in held:  # their pages out of the free queue before any block is handed out
+            self.block_pool.hold(block)
         table.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_pages)
+        if groups:
+            pages, new_blocks = new_blocks[num_new_blocks:], new_blocks[:num_new_blocks]
+            for i, block in enumerate(new_blocks):
+                self.block_pool.attach(block, pages[i * groups:(i + 1) * groups])
+            self._win_start[request.request_id] = start
         table.extend(new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, table, min(num_computed + num_new_tokens, request.num_tokens))
@@ -250,6 +281,8 @@ class KVCacheManager:
         """Release every block of ``request``, tail first (its tail is then the first evicted)."""
         table = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        if self.num_window_groups:
+            self._drop_holds(request.request_id, table)
         self.block_pool.free_blocks(reversed(table))
 
     def get_block_ids(self, request_id: str) -> list[int]:

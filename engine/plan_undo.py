@@ -7,9 +7,11 @@ planning, the grammar bitmask, a KeyboardInterrupt), ``PlanUndo.apply`` puts the
 before the plan began: the queues in their order, every request's counters, every block table (a
 preempted request gets its very blocks back: nothing ran, so their KV is intact), the free block
 count, the cached hashes (entries the plan added leave; blocks it evicted get their hash back), the
-tier copies it recorded and the statistics it counted. What is not restored is order only: where
-freed blocks sit in the free queue, the recency of tier entries, and a tier entry dropped to make room
-for an offload the plan recorded (the tier is only a cache: that block is recomputed if needed).
+tier copies it recorded and the statistics it counted (with a hybrid KV layout, the window holds:
+a request it preempted whose window pages it handed out meanwhile is preempted again, for
+recompute). What is not restored is order only: where freed blocks sit in the free queue, the
+recency of tier entries, and a tier entry dropped to make room for an offload the plan recorded (the
+tier is only a cache: that block is recomputed if needed).
 
 It costs a copy of ``running`` (at most ``max_num_seqs``) per step, a tuple per request the plan
 touches and an entry per change to the waiting queue (``PlanQueue`` logs them; the queue is not
@@ -95,6 +97,7 @@ class PlanUndo:
         # request id -> (request, its fields, its table object and length, its cached-block count)
         self.touched: dict[str, tuple] = {}
         self.evictions: list[tuple[KVCacheBlock, bytes, tuple[int, ...]]] = []
+        self.win_starts: dict[str, int | None] = {}  # hybrid layout: request id -> its ``kv._win_start``
 
     def touch(self, request: Request) -> None:
         """Record ``request`` before the plan changes it (once per plan)."""
@@ -107,6 +110,8 @@ class PlanUndo:
             r, (r.status, r.num_computed_tokens, r.num_tokens_sent, r.num_blocks_sent, r.num_cached_tokens,
                 r.first_scheduled_time, r.fork_source, r.num_preemptions),  # as _FIELDS
             table, len(table) if table is not None else 0, self._num_cached.get(request_id))
+        if self.scheduler.kv.num_window_groups:
+            self.win_starts[request_id] = self.scheduler.kv._win_start.get(request_id)
 
     def evicted(self, block: KVCacheBlock) -> None:
         """The pool is handing out ``block``, cached: remember its contents (still on the ranks)."""
@@ -153,6 +158,8 @@ class PlanUndo:
                 kv._num_cached_blocks.pop(request_id, None)
             else:
                 kv._num_cached_blocks[request_id] = num_cached
+        if kv.num_window_groups:  # the pages of the blocks given back (none of a table restored below)
+            kv.resync_windows()
         # ... then the blocks of the requests it preempted, the very same ones
         for request_id, table, length, num_cached in restore:
             del table[length:]
@@ -180,6 +187,24 @@ class PlanUndo:
         for name, value in zip(_STATS, self.stats):
             setattr(scheduler.stats, name, value)
         queue_time.total, queue_time.count = self.queue_time
+        if kv.num_window_groups:
+            self._resync_windows()
+
+    def _resync_windows(self) -> None:
+        """Window holds as the restored tables say; a request the plan preempted whose window pages
+        were handed out meanwhile (so lost) is preempted again, for recompute: a rare path."""
+        scheduler, kv = self.scheduler, self.scheduler.kv
+        for request_id, start in self.win_starts.items():
+            if start is None:
+                kv._win_start.pop(request_id, None)
+            else:
+                kv._win_start[request_id] = start
+        lost = set(kv.resync_windows())
+        if lost:
+            scheduler._plan = None  # not the plan's: it is undone
+            for request in [r for r in scheduler.running if r.request_id in lost]:
+                scheduler.running.remove(request)
+                scheduler._preempt(request)
 
 
 def undo_sent_step(scheduler, scheduler_output) -> None:

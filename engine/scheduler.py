@@ -15,6 +15,7 @@ import logging
 import time
 
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_layout import KVLayout
 from engine.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -30,21 +31,11 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(
-        self,
-        *,
-        num_kv_blocks: int,
-        block_size: int,
-        enable_prefix_caching: bool,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        num_host_kv_blocks: int = 0,
-        host_kv_block_bytes: int = 0,
-        structured_outputs=None,
-    ) -> None:
+    def __init__(self, *, num_kv_blocks: int, block_size: int, enable_prefix_caching: bool, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, num_host_kv_blocks: int = 0,
+                 host_kv_block_bytes: int = 0, structured_outputs=None, kv_layout: KVLayout | None = None) -> None:
         self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching, num_host_kv_blocks,
-                                 host_kv_block_bytes)
+                                 host_kv_block_bytes, kv_layout)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -103,6 +94,7 @@ class Scheduler:
         that raises midway (or is interrupted) is undone whole (``engine.plan_undo``) before the
         exception goes on; ``failed_plan_requests`` then names the requests it had reached."""
         self.kv.begin_step()
+        self.kv.release_behind_windows(self.running)  # before the plan, whose undo keeps it
         plan = self._plan = PlanUndo(self)
         self.kv.begin_plan(plan)
         try:
@@ -251,6 +243,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            window_block_ids=self.kv.window_block_ids(request.request_id),
         )
 
     def _cached_request_data(self, request: Request) -> CachedRequestData:
@@ -260,6 +253,7 @@ class Scheduler:
             new_token_ids=request.all_token_ids[request.num_tokens_sent:],
             new_block_ids=[b.block_id for b in table[request.num_blocks_sent:]],
             num_computed_tokens=request.num_computed_tokens,
+            new_window_block_ids=self.kv.window_block_ids(request.request_id, request.num_blocks_sent),
         )
         request.num_tokens_sent, request.num_blocks_sent = request.num_tokens, len(table)
         return data
