@@ -127,10 +127,10 @@ def test_deterministic_mode_ignores_stale_pages(name):
 def test_shared_prefix_groups_ignore_stale_pages(block_size, window, softcap):
     """Members whose windows reach into the shared prefix, others whose windows lie past it; each
     member's own window table has stale entries below its window, the group's come from the member
-    whose window reaches furthest back."""
+    whose window reaches furthest back (not the first member, whose window lies past the prefix)."""
     pool = Pool(800, block_size, KV_HEADS, HEAD_DIM, seed=block_size)
     p = 16 * block_size  # shared tokens
-    specs, tables = shared(pool, [(p, [(1, p + 2), (1, p + window + 9), (9, p + 16), (1, p + 5)]),
+    specs, tables = shared(pool, [(p, [(1, p + window + 9), (9, p + 16), (1, p + 2), (1, p + 5)]),
                                   (p, [(1, p + 3), (2 * window, p + 2 * window + 4)])],
                            extra=[(1, p + 7), (5, 3 * window)])
     stale = stale_tables(pool, specs, tables, window, random.Random(block_size))
