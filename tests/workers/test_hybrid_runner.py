@@ -24,6 +24,7 @@ from tests.compiled import cpu_backend_or_skip
 from tests.gemma_models import gemma_dir, gemma_oracle
 from workers.model_runner import ModelRunner
 from workers.parallel_state import TPGroup
+from workers.staging import Staging
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
@@ -118,8 +119,10 @@ class MiniScheduler:
                         req["window"][g][i] = 0  # (the scheduler's view; the rank's entry stays stale)
 
 
-def run(arch, backend, block_size, hybrid, garbage):
+def run(arch, backend, block_size, hybrid, garbage, staging=False, decodes=5):
     runner = make_runner(arch, backend, block_size, hybrid)
+    if staging:  # the inputs as a CUDA step sends them: the tables' writes scattered into copies, rows gathered
+        runner.batch.use_staging(Staging(torch.device("cpu"), pin=False))
     runner.initialize_kv_cache(400)
     window = runner.config.model.hf_config["sliding_window"]
     gen = torch.Generator().manual_seed(7)
@@ -127,7 +130,6 @@ def run(arch, backend, block_size, hybrid, garbage):
     a = torch.randint(3, vocab, (4 * window + 11,), generator=gen).tolist()
     k = (window + 3 * block_size) // block_size * block_size  # B's cache hit: A's first k tokens
     b = a[:k] + torch.randint(3, vocab, (2 * window + 5,), generator=gen).tolist()
-    decodes = 5
     prompt_a, prompt_b = len(a) - decodes, len(b) - decodes
     sched = MiniScheduler(runner, 400, garbage)
     sched.add("A", a)
@@ -191,9 +193,28 @@ def test_compiled_kernels_match_hf_and_the_plain_layout(arch, block_size):
         assert all(torch.equal(logits[req_id][p], plain_logits[req_id][p]) for p in logits[req_id])
 
 
+def test_device_tables_give_the_same_bits():
+    """Off CPU each window group's table is kept on the device by the same diffs (run here on CPU)."""
+    cpu_backend_or_skip()
+    runner, _, _, _, logits = run("gemma2", "cpu", 4, True, float("nan"), staging=True)
+    assert [t.num_ids_written > 0 for t in runner.batch.device_window_tables] == [True]
+    _, _, _, _, host = run("gemma2", "cpu", 4, True, float("nan"))
+    for req_id in ("A", "B"):
+        assert all(torch.equal(logits[req_id][p], host[req_id][p]) for p in logits[req_id])
+
+
 def test_torch_backend_matches_hf():
     runner, sched, a, b, logits = run("gemma3", "torch", 8, True, 1e4)
     assert sched.reused > 0
+    compare_with_hf("gemma3", a, logits["A"])
+    compare_with_hf("gemma3", b, logits["B"])
+
+
+def test_triton_backend_matches_hf():
+    """The Triton kernels (interpreted) with the tables on the "device": each window group's
+    metadata shares the step's launch plan (``plan_from``)."""
+    runner, sched, a, b, logits = run("gemma3", "triton", 8, True, float("nan"), staging=True, decodes=2)
+    assert runner.attention_backend.name == "triton" and sched.reused > 0
     compare_with_hf("gemma3", a, logits["A"])
     compare_with_hf("gemma3", b, logits["B"])
 
