@@ -165,7 +165,7 @@ class ModelRunner:
         runs eagerly. So are graphs that take more device memory than ``budget`` (what the KV budget
         left them, from ``measure_graph_memory``): they are released. Answers whether the buckets are
         in use."""
-        if capture is None:
+        if capture is None or self.layout.hybrid:  # hybrid: not even the eager set-up (graphs_unavailable)
             why = self.graphs_unavailable()
             if why is not None:
                 if self.tp.is_first_rank and not self.config.enforce_eager:

@@ -204,7 +204,7 @@ def test_device_tables_give_the_same_bits():
 
 
 def test_torch_backend_matches_hf():
-    runner, sched, a, b, logits = run("gemma3", "torch", 8, True, 1e4)
+    _, sched, a, b, logits = run("gemma3", "torch", 8, True, 1e4)
     assert sched.reused > 0
     compare_with_hf("gemma3", a, logits["A"])
     compare_with_hf("gemma3", b, logits["B"])
