@@ -6,6 +6,10 @@ Pool layout, one pair per layer (and per tensor-parallel rank, holding that rank
 
 A token at position ``p`` of a sequence lives in slot ``block_table[p // block_size] * block_size +
 p % block_size``. Block 0 is the null block: padding slots point there and nothing reads it back.
+A hybrid KV layout (``engine.kv_layout``) gives the window layers their own tables (``window_metas``):
+there, entries for blocks wholly below a sequence's window may be 0 or stale (a page another request
+now uses, holding anything, NaN included), so a window layer must never let them affect its result:
+every backend skips (or does not load) the keys below the lowest window of the rows it attends.
 
 A step's batch is flat (no padding) and ordered decodes first, then prefills::
 
@@ -25,7 +29,7 @@ run shared-prefix groups) and ``triton``. ``kernels.attention`` holds the one di
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -69,6 +73,18 @@ class PagedAttentionMetadata:
     # what the backend derives from this metadata once per step (the Triton backend's launch plan: its
     # tiles on the device), kept with it: a CUDA graph captured over this metadata replays those tensors
     backend_plan: object = None
+    # a hybrid KV layout (``engine.kv_layout``): one metadata per window group, the same batch read
+    # through that group's tables (its own slots, block tables and shared-prefix groups' blocks); a
+    # layer on table g >= 1 attends with ``window_metas[g - 1]``. Empty for a plain layout.
+    window_metas: list[PagedAttentionMetadata] = field(default_factory=list)
+    # on a window metadata: the step's metadata, whose per-step backend plan it shares (same lengths)
+    plan_from: PagedAttentionMetadata | None = field(default=None, repr=False)
+
+    def for_window_group(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                         cascade: CascadeGroups | None) -> PagedAttentionMetadata:
+        """This step's batch read through a window group's tables: a metadata for ``window_metas``."""
+        return replace(self, slot_mapping=slot_mapping, block_tables=block_tables, cascade=cascade,
+                       backend_plan=None, window_metas=[], plan_from=self)
 
     @property
     def num_seqs(self) -> int:
@@ -77,27 +93,42 @@ class PagedAttentionMetadata:
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device | str = "cpu", backend: AttentionBackend | None = None,
-              deterministic: bool = False) -> PagedAttentionMetadata:
-        """Metadata from plain lists (tests, profiling): slots of each sequence's query positions."""
+              deterministic: bool = False,
+              window_block_tables: list[list[list[int]]] = ()) -> PagedAttentionMetadata:
+        """Metadata from plain lists (tests, profiling): slots of each sequence's query positions;
+        ``window_block_tables``: per window group, its tables (``window_metas``; no shared-prefix groups)."""
         width = max((len(t) for t in block_tables), default=0)
-        slots = [table[p // block_size] * block_size + p % block_size
-                 for q, s, table in zip(query_lens, seq_lens, block_tables) for p in range(s - q, s)]
+
+        def slots_of(tables):
+            return torch.tensor([table[p // block_size] * block_size + p % block_size
+                                 for q, s, table in zip(query_lens, seq_lens, tables) for p in range(s - q, s)],
+                                dtype=torch.long, device=device)
+
+        def padded(tables):
+            return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                device=device).view(-1, width)
+
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
         num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
         int32 = dict(dtype=torch.int32, device=device)
-        return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        meta = cls(
+            slot_mapping=slots_of(block_tables),
             query_start_loc=torch.tensor(starts, **int32),
             seq_lens=torch.tensor(seq_lens, **int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], **int32).view(-1, width),
+            block_tables=padded(block_tables),
             query_lens=list(query_lens),
             context_lens=list(seq_lens),
             num_decodes=num_decodes,
             backend=backend,
             deterministic=deterministic,
         )
+        for tables in window_block_tables:
+            if len(tables) != len(block_tables) or any(len(w) != len(t) for w, t in zip(tables, block_tables)):
+                raise ValueError("each window group's tables must be parallel to the block tables")
+            meta.window_metas.append(meta.for_window_group(slots_of(tables), padded(tables), None))
+        return meta
 
 
 class AttentionBackend(Protocol):

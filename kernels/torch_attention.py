@@ -11,8 +11,9 @@ or unequal heads on the memory-efficient kernel send SDPA to its math path, whic
 whole [heads, q, context] score matrix (32 GiB in float32 for a 2048-token chunk after a 128k-token
 prefix at 32 heads). The repeated K/V cost heads x context x d, a small part of that.
 
-A sliding window (``window``) is a boolean mask beside the causal one (SDPA still runs it; a prefill
-reads only the keys its window reaches); soft-capped scores (``softcap``) cannot go through SDPA, so
+A sliding window (``window``) is a boolean mask beside the causal one (SDPA still runs it; a decode
+gathers and a prefill reads only the blocks its window reaches: a hybrid KV layout's window table may
+name stale pages below it); soft-capped scores (``softcap``) cannot go through SDPA, so
 those layers compute the scores, cap, mask and softmax in plain torch (``_explicit_attention``: the
 [heads, q, keys] scores of one sequence, or of one decode slice, are materialised).
 
@@ -83,13 +84,20 @@ def paged_decode_attention(
     batch, num_heads, head_dim = query.shape
     block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
     num_blocks = -(-max_seq_len // block_size)
-    tables = block_tables[:, :num_blocks]
+    if window:  # only the blocks from the one holding each query's lowest key (stale pages below: not read)
+        span = min(num_blocks, (window - 1) // block_size + 2)  # the most blocks a window's keys touch
+        first_block = (seq_lens.long() - window).clamp(min=0) // block_size
+        columns = first_block[:, None] + torch.arange(span, device=query.device)
+        tables = torch.gather(block_tables, 1, columns.clamp(max=block_tables.shape[1] - 1))
+        positions = (first_block[:, None] * block_size + torch.arange(span * block_size, device=query.device))
+    else:
+        tables = block_tables[:, :num_blocks]
+        positions = torch.arange(num_blocks * block_size, device=query.device)[None, :]
     keys = _gather(k_pool, tables).transpose(1, 2)  # [batch, kv_heads, ctx, d]
     values = _gather(v_pool, tables).transpose(1, 2)
-    positions = torch.arange(keys.shape[2], device=query.device)
-    visible = positions[None, :] < seq_lens[:, None]
+    visible = positions < seq_lens[:, None]
     if window:  # the query sits at seq_len - 1: it sees positions > seq_len - 1 - window
-        visible &= positions[None, :] >= seq_lens[:, None] - window
+        visible &= positions >= seq_lens[:, None] - window
     visible = visible[:, None, None, :]
     grouped = query.view(batch, kv_heads, num_heads // kv_heads, head_dim)
     if window or softcap:  # explicit: padding slots past a short context must weigh exactly 0 here
@@ -119,13 +127,16 @@ def paged_prefill_attention(
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         end = start + query_len
+        skip = 0  # keys before the block of the chunk's lowest visible key are not read (stale pages)
         if seq_len == query_len:
             k, v = key[start:end], value[start:end]
         else:
-            blocks = block_tables[i, : -(-seq_len // block_size)]
-            k, v = _gather(k_pool, blocks)[:seq_len], _gather(v_pool, blocks)[:seq_len]
+            if window:
+                skip = max(0, seq_len - query_len + 1 - window) // block_size * block_size
+            blocks = block_tables[i, skip // block_size: -(-seq_len // block_size)]
+            k, v = _gather(k_pool, blocks)[:seq_len - skip], _gather(v_pool, blocks)[:seq_len - skip]
         if window or softcap:
-            out[start:end] = _windowed_attention(query[start:end], k, v, scale, window, softcap)
+            out[start:end] = _windowed_attention(query[start:end], k, v, scale, window, softcap, skip)
         else:
             out[start:end] = _causal_sdpa(query[start:end], k, v, scale)
         start = end
@@ -146,19 +157,20 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visib
 
 
 def _windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, window: int,
-                        softcap: float) -> torch.Tensor:
+                        softcap: float, offset: int = 0) -> torch.Tensor:
     """``_causal_sdpa`` with a sliding window and/or soft-capped scores: only the keys the chunk's
-    first query's window reaches are read, the mask is explicit."""
+    first query's window reaches are read, the mask is explicit. ``key``/``value`` hold the positions
+    from ``offset`` on."""
     q_len, num_heads, _ = query.shape
-    first = key.shape[0] - q_len  # the first query's position
+    first = offset + key.shape[0] - q_len  # the first query's position
     lo = max(0, first + 1 - window) if window else 0
     positions = torch.arange(first, first + q_len, device=query.device)[:, None]
-    keys = torch.arange(lo, key.shape[0], device=query.device)[None, :]
+    keys = torch.arange(lo, offset + key.shape[0], device=query.device)[None, :]
     visible = keys <= positions
     if window:
         visible &= keys > positions - window
     q = query.transpose(0, 1).unsqueeze(0)
-    k, v = _heads_first(key[lo:], num_heads), _heads_first(value[lo:], num_heads)
+    k, v = _heads_first(key[lo - offset:], num_heads), _heads_first(value[lo - offset:], num_heads)
     if softcap:
         o = _explicit_attention(q, k, v, visible, scale, softcap)
     else:

@@ -31,11 +31,17 @@ class BlockTable:
     def add(self, block_ids: list[int]) -> int:
         if not self.free_rows:
             rows = self.table.shape[0]
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.grow_to(2 * rows)
             self.free_rows = list(range(2 * rows - 1, rows - 1, -1))
         row = self.free_rows.pop()
         self.append(row, 0, block_ids)
         return row
+
+    def grow_to(self, rows: int) -> None:
+        """At least ``rows`` rows (a window group's table keeps the rows of the block table it is parallel to)."""
+        if self.table.shape[0] < rows:
+            self.table = np.concatenate([self.table, np.zeros((rows - self.table.shape[0], self.table.shape[1]),
+                                                              dtype=self.table.dtype)])
 
     def append(self, row: int, start: int, block_ids: list[int]) -> None:
         self.table[row, start:start + len(block_ids)] = block_ids

@@ -97,3 +97,19 @@ def plan_cascade(table: np.ndarray, first_positions: np.ndarray, block_size: int
         member_start[g + 1] = member_start[g] + len(members)
     members = np.concatenate([m for m, _ in groups]).astype(np.int32)
     return CascadePlan(kv_starts, block_tables, lens, member_start, members)
+
+
+def window_group_tables(plan: CascadePlan, window_table: np.ndarray, first_positions: np.ndarray,
+                        block_size: int) -> np.ndarray:
+    """A window group's blocks for the groups of ``plan`` (made from the block table): group g's row
+    is taken from its member whose first query token comes first, whose window reaches furthest back.
+    Its entries below that member's window may be 0 or stale, but no member reads them: every other
+    member's window starts no earlier (a window table holds a request's pages from
+    ``KVLayout.first_needed_block`` of its computed tokens on)."""
+    tables = np.zeros_like(plan.block_tables)
+    for g in range(len(plan.lens)):
+        members = plan.members[plan.member_start[g]:plan.member_start[g + 1]]
+        source = members[np.argmin(first_positions[members])]
+        shared = int(plan.lens[g]) // block_size
+        tables[g, :shared] = window_table[source, :shared]
+    return tables

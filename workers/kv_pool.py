@@ -1,6 +1,8 @@
-"""This rank's shard of the paged KV pool: one (k_pool, v_pool) pair per layer, each
-[num_blocks, block_size, num_kv_heads_per_rank, head_dim], carved from one allocation; and this
-rank's shard of the host KV tier (``HostKVTier``), when there is one."""
+"""This rank's shard of the paged KV pool: one (k_pool, v_pool) pair per page layer (``num_layers``
+here is ``KVLayout.page_layers``: every model layer for a plain layout, the full-attention layers for
+a hybrid one, whose window layers share those pairs through their own tables), each [num_blocks,
+block_size, num_kv_heads_per_rank, head_dim], carved from one allocation; and this rank's shard of the
+host KV tier (``HostKVTier``, plain layouts only), when there is one."""
 
 from __future__ import annotations
 

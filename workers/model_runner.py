@@ -3,6 +3,12 @@ with the step's shared-prefix groups), run the model shard, and (rank 0) sample.
 
 The attention backend is chosen once, here, from ``attention_backend`` (one log line says which
 runs) and travels with each step's metadata to every layer.
+
+The KV pool follows the configuration's ``KVLayout`` (``engine.kv_layout``): ``page_layers`` tensor
+pairs (``kv_pool``; one per layer for a plain layout). ``kv_caches`` stays one pair per model layer,
+layer l's being pool pair ``placement(l)[0]`` (a hybrid layout's pairs are shared by a full layer and
+window layers), so the models' forward is the same for both; each ``Attention`` module is told its
+table (``placement(l)[1]``) once, here.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from kernels.backends import deterministic_error
 from workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.input_batch import InputBatch, RequestState
 from workers.kv_pool import KVPoolSpec, allocate_kv_pool
+from workers.layers.attention import Attention
 from workers.layers.kernels import bind_cpu_kernels, bind_layer_ops
 from workers.models.registry import kv_cache_shape, resolve_architecture
 from workers.parallel_state import TPGroup
@@ -52,8 +59,14 @@ class ModelRunner:
         self.model.load_weights(iter_checkpoint(config.model.path))
         self.model.eval()
         num_layers, kv_heads, head_dim, replicated = kv_cache_shape(hf_config, tp.size)
-        self.kv_spec = KVPoolSpec(num_layers, kv_heads, head_dim, self.block_size, dtype, replicated)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.layout = config.kv_layout()
+        if self.layout.num_layers != num_layers:
+            raise ValueError(f"the KV layout has {self.layout.num_layers} layers, the model's KV {num_layers}")
+        # a block of the pool holds page_layers layers' K/V (every layer's for a plain layout)
+        self.kv_spec = KVPoolSpec(self.layout.page_layers, kv_heads, head_dim, self.block_size, dtype, replicated)
+        self.kv_pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the pool's tensor pairs
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per model layer (pairs repeat when hybrid)
+        self._bind_tables()
         self.attention_backend, why = select_backend(config.attention_backend, device)
         if config.deterministic and (error := deterministic_error(self.attention_backend, dtype)):
             raise ValueError(error)
@@ -68,7 +81,8 @@ class ModelRunner:
         self.batch = InputBatch(self.block_size, config.max_model_len, device, self.attention_backend,
                                 config.cascade_attention and not config.deterministic,
                                 staging_size=3 * sched.max_num_batched_tokens + 2 * sched.max_num_seqs,
-                                long_rope=getattr(self.model, "long_rope", None))
+                                long_rope=getattr(self.model, "long_rope", None),
+                                num_window_groups=self.layout.num_window_groups)
         argmax = getattr(self.attention_backend.layer_ops, "argmax", None)
         self.sampler = Sampler(device, config.seed, argmax) if tp.is_first_rank else None
         self.eos_token_ids = tuple(config.model.eos_token_ids)
@@ -78,8 +92,27 @@ class ModelRunner:
 
             prepare_runner(self)
 
+    def _bind_tables(self) -> None:
+        """Tell each Attention module (in layer order) which table its layer reads."""
+        layout = self.layout
+        if not layout.hybrid:
+            return
+        modules = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if len(modules) != layout.num_layers:
+            raise ValueError(f"a hybrid KV layout needs one Attention module per layer: {len(modules)} for "
+                             f"{layout.num_layers} layers")
+        for layer, module in enumerate(modules):
+            if (module.window > 0) != (layer in layout.window_layers):
+                raise ValueError(f"layer {layer}'s attention window ({module.window}) disagrees with the KV layout")
+            module.table = layout.placement(layer)[1]
+
+    def layer_caches(self, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The per-model-layer view of a pool's tensor pairs (``KVLayout.placement``)."""
+        return [pool[self.layout.placement(layer)[0]] for layer in range(self.layout.num_layers)]
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_pool(self.kv_spec, num_blocks, self.device, prefault=True)
+        self.kv_pool = allocate_kv_pool(self.kv_spec, num_blocks, self.device, prefault=True)
+        self.kv_caches = self.layer_caches(self.kv_pool)
         if self.device.type == "cuda" and self.attention_backend.name == "triton":
             from kernels.triton.warmup import warm_up_runner
 
@@ -89,6 +122,8 @@ class ModelRunner:
         """Why decode steps cannot run through CUDA graphs here, or None."""
         if self.config.enforce_eager:
             return "enforce_eager=True"
+        if self.layout.hybrid:  # the decode buffers hold the block table only, not the window groups' tables
+            return "the hybrid KV layout's window tables are not in the decode graphs' buffers"
         if self.device.type != "cuda":
             return f"they need a CUDA device, not {self.device.type}"
         if not getattr(self.attention_backend, "supports_graphs", False):
@@ -103,7 +138,7 @@ class ModelRunner:
         will not be captured. The padding rows the capture runs read block 0 and write nothing."""
         if self.graphs_unavailable() is not None:
             return None
-        kv_caches = allocate_kv_pool(self.kv_spec, 1, self.device)
+        kv_caches = self.layer_caches(allocate_kv_pool(self.kv_spec, 1, self.device))
         graphs = self._decode_graphs(kv_caches, graph_batch_sizes(self._max_decodes()), capture=True)
         try:
             graphs.capture()
@@ -130,7 +165,7 @@ class ModelRunner:
         runs eagerly. So are graphs that take more device memory than ``budget`` (what the KV budget
         left them, from ``measure_graph_memory``): they are released. Answers whether the buckets are
         in use."""
-        if capture is None:
+        if capture is None or self.layout.hybrid:  # hybrid: not even the eager set-up (graphs_unavailable)
             why = self.graphs_unavailable()
             if why is not None:
                 if self.tp.is_first_rank and not self.config.enforce_eager:
@@ -289,11 +324,13 @@ class ModelRunner:
                            positions: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
         """The model over token id 0 at ``positions`` against a pool of just the blocks ``tables``
         name (freed after), and the logits of the last ``num_rows`` tokens (all by default); planned as
-        the engine's steps are (``deterministic`` included), so warm-up and profile run their kernels."""
+        the engine's steps are (``deterministic`` included), so warm-up and profile run their kernels;
+        a hybrid layout's window groups read the same blocks (results are thrown away)."""
         num_blocks = max(b for table in tables for b in table) + 1
-        kv_caches = allocate_kv_pool(self.kv_spec, num_blocks, self.device)
+        kv_caches = self.layer_caches(allocate_kv_pool(self.kv_spec, num_blocks, self.device))
         meta = PagedAttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device,
-                                            self.attention_backend, self.config.deterministic)
+                                            self.attention_backend, self.config.deterministic,
+                                            [tables] * self.layout.num_window_groups)
         hidden = self.model(torch.zeros_like(positions), positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden[-(num_rows or len(positions)):])
         del kv_caches, hidden

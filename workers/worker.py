@@ -127,6 +127,8 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
         num_host = self.config.cache.host_kv_blocks_for(self.runner.kv_spec.bytes_per_block)
+        if num_host and self.runner.layout.hybrid:  # (EngineConfig.kv_layout keeps blocks whole with a host tier)
+            raise ValueError("the host KV tier needs every layer's KV in a block: not a hybrid KV layout")
         self.host_tier = HostKVTier(self.runner.kv_spec, num_host, self.device) if num_host else None
         if self.device.type == "cpu" and not self.runner.attention_backend.interpreted:
             self.runner.warm_up()  # (an interpreted backend is for tests: nothing to warm)
@@ -145,8 +147,8 @@ class Worker:
         rewritten in this step), then restores (a block offloaded in this step may come back in it)."""
         if self.host_tier is None:
             raise RuntimeError("the step carries host KV tier copies, but this rank has no host tier")
-        self.host_tier.offload(self.runner.kv_caches, offloads)
-        self.host_tier.restore(self.runner.kv_caches, restores)  # on the stream the forward then uses
+        self.host_tier.offload(self.runner.kv_pool, offloads)
+        self.host_tier.restore(self.runner.kv_pool, restores)  # on the stream the forward then uses
 
     def kv_cache_info(self) -> dict:
         spec = self.runner.kv_spec

@@ -27,7 +27,10 @@
 // Sliding window (window > 0, a layer of Gemma 2/3): the query at position p sees the keys at positions
 // (p - window, p] only, transformers' mask for these models. Each row has a lower bound beside its
 // limit; an item starts at the 32-key tile holding its rows' lowest bound (the tiles skipped before it
-// would add exact zeros), and keys below a row's bound are masked like those past its limit. In the
+// would add exact zeros), and keys below a row's bound are masked like those past its limit. Blocks
+// wholly below the item's lowest bound are not read at all (their keys and values count as zeros,
+// masked): a hybrid KV layout's window table may name a stale page there, holding anything (NaN
+// times a zero weight would still be NaN). In the
 // group pass a member's row may see none of the shared keys (its window lies in its own suffix): the
 // pass then leaves out = 0 and lse = -inf, which the suffix pass's merge weighs as nothing.
 // Soft-capping (softcap > 0, Gemma 2): every score s (already scaled) becomes softcap * tanh(s / softcap)
@@ -101,6 +104,7 @@ struct Scratch {
   std::vector<float> s;    // scores, then probabilities
   std::vector<float> acc;  // [rows][head_dim]
   std::vector<float> kv;   // [2][kKeyTile][head_dim]: a key/value tile converted to float (half types)
+  std::vector<float> zeros;  // [head_dim]: the key and value of a position in a block below every row's window
   std::vector<float> m, l, alpha;
   std::vector<int32_t> limit;  // per row: keys at positions < limit are visible
   std::vector<int32_t> lower;  // per row: and at positions >= lower
@@ -115,6 +119,7 @@ struct Scratch {
     const size_t sr = static_cast<size_t>(kKeyTile) * rows_padded;
     if (s.size() < sr) s.resize(sr);
     if (kv.size() < static_cast<size_t>(2 * kKeyTile * head_dim)) kv.resize(2 * kKeyTile * head_dim);
+    if (zeros.size() < static_cast<size_t>(head_dim)) zeros.resize(head_dim, 0.0f);
     if (m.size() < static_cast<size_t>(rows_padded)) {
       m.resize(rows_padded);
       l.resize(rows_padded);
@@ -210,6 +215,8 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   }
   // start at the 32-key tile (counted from position 0) of the lowest visible key
   kv_begin = std::max(kv_begin, min_lower / kKeyTile * kKeyTile);
+  // keys before the block of the lowest bound are not read (see the top of this file)
+  const int kv_read = min_lower / p.block_size * p.block_size;
   // scores vectorised over rows; else over head_dim (decode-sized items, and every item in fixed order)
   const bool by_rows = !p.fixed_order && rows >= W / 2;
 
@@ -271,6 +278,10 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     }
     for (int j = 0; j < n; ++j) {
       const int64_t slot = slots[j];
+      if (start + j < kv_read) {
+        kf[j] = vf_[j] = sc.zeros.data();
+        continue;
+      }
       if constexpr (std::is_same_v<scalar_t, float>) {
         kf[j] = p.k_pool + slot;
         vf_[j] = p.v_pool + slot;

@@ -176,7 +176,9 @@ class TritonAttentionBackend:
     def plan(self, meta: PagedAttentionMetadata, num_heads: int, kv_heads: int, head_dim: int = 128) -> list[_Launch]:
         """The step's launches, built once per step and kept on the metadata (``backend_plan``: the
         layers share the metadata, and a CUDA graph captured over it replays the plan's tensors); the
-        plan's copy of the lengths notices a metadata object refilled for another step."""
+        plan's copy of the lengths notices a metadata object refilled for another step. A window
+        group's metadata (``plan_from``: the same lengths) shares the step's plan."""
+        meta = meta.plan_from or meta
         key = (self.block_n, num_heads, kv_heads, head_dim, meta.num_decodes, meta.query_lens, meta.context_lens,
                meta.deterministic)
         cached = meta.backend_plan

@@ -18,7 +18,8 @@ by log-sum-exp.
 Sliding window and soft-capping (Gemma 2/3) are runtime arguments, not constexprs, so they add no
 variant: ``window`` > 0 hides from the query at position p the keys at positions <= p - window (a tile
 starts at the key tile holding its first query's lowest visible key; skipped tiles would add exact
-zeros, so deterministic mode keeps its bits), and ``softcap`` > 0 maps each scaled score s to
+zeros, so deterministic mode keeps its bits; the keys below the first query's window in that tile are
+not loaded, since a hybrid KV layout's window table may name a stale page there), and ``softcap`` > 0 maps each scaled score s to
 softcap * tanh(s / softcap) (tanh through exp(-2|x|), which cannot overflow) before the mask.
 """
 
@@ -92,7 +93,8 @@ def _paged_attention_kernel(
     last_q = tl.minimum(q_off + BLOCK_Q, q_len) - 1
     kv_end = prefix + last_q + 1
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    first_tile = tl.where(window > 0, tl.maximum(prefix + q_off + 1 - window, 0), 0) // BLOCK_N
+    lowest = tl.where(window > 0, tl.maximum(prefix + q_off + 1 - window, 0), 0)  # the first query's lowest key
+    first_tile = lowest // BLOCK_N
     per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
     start_tile = first_tile + split * per_split
     below = tl.where(window > 0, q_pos - window, -1)  # each row sees the keys past it
@@ -105,7 +107,9 @@ def _paged_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     for t in range(start_tile, end_tile):
         pos = t * BLOCK_N + offs_n
-        pos_ok = pos < kv_end
+        # keys below every row's window are not loaded (a hybrid layout's window table may name a stale
+        # page there: NaN times a zero weight would still be NaN)
+        pos_ok = (pos < kv_end) & (pos >= lowest)
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         within = (pos % BLOCK_SIZE).to(tl.int64)
         kv_ok = pos_ok[:, None] & dim_ok[None, :]

@@ -15,6 +15,8 @@ class Attention(nn.Module):
     step's K/V are stored in ``kv_cache`` (k_pool, v_pool: [blocks, block_size, num_kv_heads, head_dim])
     before attending. ``window`` > 0: a sliding-window layer (the query at position p sees the keys at
     positions > p - window); ``softcap`` > 0: scores soft-capped to softcap * tanh(s / softcap).
+    ``table``: which of the step's tables the layer reads (``engine.kv_layout``: 0 the block table,
+    g >= 1 window group g - 1's, through ``meta.window_metas``); set by the model runner.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0,
@@ -24,6 +26,7 @@ class Attention(nn.Module):
         if window < 0 or softcap < 0:
             raise ValueError(f"attention window and soft-cap must be >= 0, got {window} and {softcap}")
         self.window, self.softcap = int(window), float(softcap)
+        self.table = 0
 
     def forward(
         self,
@@ -34,6 +37,8 @@ class Attention(nn.Module):
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor:
         t = q.shape[0]
+        if self.table:
+            meta = meta.window_metas[self.table - 1]
         out = paged_attention(
             q.view(t, self.num_heads, self.head_dim),
             k.view(t, self.num_kv_heads, self.head_dim),

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from engine.kv_layout import window_layer_flags
 from kernels import PagedAttentionMetadata
 from workers.layers import (
     Attention,
@@ -60,18 +61,6 @@ class GemmaRMSNorm(nn.Module):
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * (1.0 + self.weight.float())).type_as(x)
-
-
-def _layer_is_sliding(cfg: dict[str, Any], gemma3: bool) -> list[bool]:
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if types is None:
-        pattern = cfg.get("sliding_window_pattern", 6) if gemma3 else 2
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"layer_types must name sliding_attention or full_attention for each of the {n} layers, "
-                         f"got {types}")
-    return [t == "sliding_attention" for t in types]
 
 
 def _gemma3_rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -167,7 +156,9 @@ class GemmaModel(nn.Module):
         global_emb = RotaryEmbedding(d, positions, global_rope, device)
         local_emb = global_emb if local_rope == global_rope else RotaryEmbedding(d, positions, local_rope, device)
         window = int(cfg.get("sliding_window") or 0)
-        self.sliding = _layer_is_sliding(cfg, gemma3)
+        # which layers slide: the KV layout's rule (engine.kv_layout), for this class's architecture
+        self.sliding = window_layer_flags({**cfg, "architectures": ["Gemma3ForCausalLM" if gemma3 else
+                                                                     "Gemma2ForCausalLM"]})
         if any(self.sliding) and window < 1:
             raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {cfg.get('sliding_window')}")
         self.layers = nn.ModuleList(
