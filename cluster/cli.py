@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.fuzz import add_fuzz_arguments, run_fuzz
     from benchmarks.gpu_bench import add_bench_gpu_arguments, run_bench_gpu
     from benchmarks.host_tier import add_bench_host_tier_arguments, run_bench_host_tier
+    from benchmarks.hybrid_kv import add_bench_hybrid_kv_arguments, run_bench_hybrid_kv
     from benchmarks.online_vllm import add_bench_online_vllm_arguments, run_bench_online_vllm
     from benchmarks.profile_step import add_profile_step_arguments, run_profile_step
     from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         ("bench-host-tier", "multi-turn conversations through a pool holding a quarter of their KV: prefix hit "
          "rate and output tok/s with the host KV tier off, on, and with an unlimited pool",
          add_bench_host_tier_arguments, run_bench_host_tier),
+        ("bench-hybrid-kv", "a Gemma-3-shaped model with its sliding-window layers' blocks released vs kept: KV "
+         "bytes held per long sequence and the most concurrent long sequences a fixed pool holds",
+         add_bench_hybrid_kv_arguments, run_bench_hybrid_kv),
         ("bench-serve", "the Serve app over HTTP against the offline engine", add_bench_serve_arguments,
          run_bench_serve),
         ("bench-structured", "constrained decoding: output tok/s with a 10-field JSON schema against the same "

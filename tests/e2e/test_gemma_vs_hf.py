@@ -80,13 +80,18 @@ def test_compiled_kernels_with_prefix_cache_and_shared_prefix_groups(arch):
     check(arch, prompts, first)
 
 
+TIGHT_PAGES = {"gemma2": 48, "gemma3": 80}
+
+
 @pytest.mark.parametrize("arch", GEMMA_ARCHS)
 def test_torch_backend_with_chunked_prefill_and_preemption(arch):
     """A pool of ~1.5 long sequences and a 64-token budget: prompts are chunked across the window's
-    edge, the newest request is preempted and recomputed, prefix hits land mid-window."""
+    edge, the newest request is preempted and recomputed, prefix hits land mid-window. (Pages of the
+    hybrid layout: Gemma 3 tiny's page holds its one full layer, and a 520-token sequence with its
+    window pages needs up to 74 of them; Gemma 2 tiny's holds two layers.)"""
     path = gemma_dir(arch)
     prompts = make_prompts(path)
-    with LLM(model=path, attention_backend="torch", block_size=16, num_kv_blocks=48, max_model_len=520,
+    with LLM(model=path, attention_backend="torch", block_size=16, num_kv_blocks=TIGHT_PAGES[arch], max_model_len=520,
              max_num_batched_tokens=64, max_num_seqs=8) as llm:
         outs = generate(llm, prompts)
         stats = llm.stats()

@@ -210,15 +210,6 @@ def test_torch_backend_matches_hf():
     compare_with_hf("gemma3", b, logits["B"])
 
 
-def test_triton_backend_matches_hf():
-    """The Triton kernels (interpreted) with the tables on the "device": each window group's
-    metadata shares the step's launch plan (``plan_from``)."""
-    runner, sched, a, b, logits = run("gemma3", "triton", 8, True, float("nan"), staging=True, decodes=2)
-    assert runner.attention_backend.name == "triton" and sched.reused > 0
-    compare_with_hf("gemma3", a, logits["A"])
-    compare_with_hf("gemma3", b, logits["B"])
-
-
 def test_a_hybrid_runner_refuses_requests_without_window_ids():
     runner = make_runner("gemma2", "torch", 8, True)
     runner.initialize_kv_cache(16)

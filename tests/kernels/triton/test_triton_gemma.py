@@ -19,7 +19,7 @@ def test_greedy_matches_hf_on_the_triton_path(arch):
     shared = prompts[3][:53]  # two prompts sharing 53 tokens: ten full blocks of 5 hit the cache
     chosen = [prompts[5][:50], shared + prompts[1], shared + prompts[6][:5]]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    with LLM(model=path, attention_backend="triton", block_size=5, num_kv_blocks=64, max_model_len=128,
+    with LLM(model=path, attention_backend="triton", block_size=5, num_kv_blocks=64 if arch == "gemma2" else 110, max_model_len=128,
              max_num_batched_tokens=32, enable_prefix_caching=True) as llm:
         assert llm.stats()["attention_backend"] == "triton"
         first = llm.generate([{"prompt_token_ids": p} for p in chosen[:2]], params)
