@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     model = args.model or str(gemma3_shaped(args.seq_len, args.window, root))
     config = ModelConfig.from_dir(model)
-    hybrid_layout = KVLayout.for_model(config.hf_config, config.architecture, True)
+    hybrid_layout = KVLayout.for_model(config.hf_config, config.architecture, True, args.seq_len + args.max_tokens)
     plain_layout = KVLayout.plain(hybrid_layout.num_layers)
     per_sequence = [held_by_one_sequence(model, args.seq_len, args.block_size, args.max_tokens, hybrid)
                     for hybrid in (True, False)]

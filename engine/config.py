@@ -329,4 +329,4 @@ class EngineConfig:
         """Which layers' KV each block id holds (``engine.kv_layout``): hybrid for models with window
         layers unless ``disable_hybrid_kv_cache_manager`` or the host tier (which keeps blocks whole)."""
         hybrid = not self.cache.disable_hybrid_kv_cache_manager and not self.uses_host_tier
-        return KVLayout.for_model(self.model.hf_config, self.model.architecture, hybrid)
+        return KVLayout.for_model(self.model.hf_config, self.model.architecture, hybrid, self.max_model_len)

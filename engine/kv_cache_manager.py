@@ -124,9 +124,13 @@ class KVCacheManager(WindowHolds):
         """A step is being planned: ``plan`` (a PlanUndo) hears of every cached block handed out."""
         self.plan = plan
         self.block_pool.on_evict = self._on_evict
+        if self.num_window_groups:
+            self.block_pool.begin_deferring()
 
     def end_plan(self) -> None:
         self.plan = None
+        if self.num_window_groups:
+            self.block_pool.end_deferring()
         self.block_pool.on_evict = self._offload if self.host_tier is not None else None
 
     def _on_evict(self, block: KVCacheBlock) -> None:

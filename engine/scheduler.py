@@ -94,7 +94,7 @@ class Scheduler:
         that raises midway (or is interrupted) is undone whole (``engine.plan_undo``) before the
         exception goes on; ``failed_plan_requests`` then names the requests it had reached."""
         self.kv.begin_step()
-        self.kv.release_behind_windows(self.running)  # before the plan, whose undo keeps it
+        self.kv.release_behind_windows(self.running, self.waiting)  # before the plan, whose undo keeps it
         plan = self._plan = PlanUndo(self)
         self.kv.begin_plan(plan)
         try:

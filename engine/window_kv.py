@@ -55,10 +55,12 @@ class WindowHolds:
             k = missing  # every longer chain up to here reads block ``missing``
         return k
 
-    def release_behind_windows(self, running: list[Request]) -> None:
-        """Each running request drops its holds on the blocks below its window (see the docstring)."""
+    def release_behind_windows(self, running: list[Request], waiting=()) -> None:
+        """Each running request drops its holds on the blocks below its window (see the docstring); a
+        request that n > 1 siblings waiting in ``waiting`` will fork keeps the blocks their fork reads."""
         if not self.num_window_groups:
             return
+        sources = {id(r.fork_source) for r in waiting if r.fork_source is not None}
         release = self.block_pool.release
         for request in running:
             table = self.req_to_blocks.get(request.request_id)
@@ -66,10 +68,11 @@ class WindowHolds:
                 continue
             start = self._win_start[request.request_id]
             end = min(self.first_needed(request.num_computed_tokens), len(table))
-            if end > start:
-                for block in table[start:end]:
-                    release(block)
-                self._win_start[request.request_id] = end
+            if sources and id(request) in sources:  # a fork takes (prompt - 1) // bs blocks
+                end = min(end, self.first_needed((request.num_prompt_tokens - 1) // self.block_size * self.block_size))
+            for i in range(start, end):  # advanced block by block: an interruption leaves it true
+                release(table[i])
+                self._win_start[request.request_id] = i + 1
 
     def _drop_holds(self, request_id: str, table: list[KVCacheBlock]) -> None:
         start = self._win_start.pop(request_id, len(table))

@@ -5,7 +5,8 @@ the pool that hold a block's KV for the window groups' layers. A table block may
 - an attached set has G pages, each owned by the block, carrying no hash, and in no set of another;
 - holds > 0  =>  the block has pages attached, each out of the free queue with ref_cnt 1;
 - holds == 0 with pages attached  =>  the block is cached and its pages are in the free queue (they
-  follow the block in the prefix cache: a later hit takes them back out);
+  follow the block in the prefix cache: a later hit takes them back out); while a step is planned an
+  uncached block's free pages also stay attached (``deferred_detach``), detached when the plan ends;
 - a free page may be handed out: that detaches its owner's whole set (the others stay free); a cached
   block evicted or uncached while no one holds its pages detaches them (they stay free).
 """
@@ -25,6 +26,26 @@ class WindowPages:
     states and blocks)."""
 
     num_held_pages = 0  # window pages held by requests
+    # while a step is planned: blocks whose last hold went without a hash, their pages kept attached (and
+    # free) until the plan ends, so that a plan undone gives a request it preempted its own pages back
+    deferred_detach: list[KVCacheBlock] | None = None
+
+    def begin_deferring(self) -> None:
+        self.deferred_detach = []
+
+    def end_deferring(self) -> None:
+        """Detach what the plan kept attached and still nobody holds (a page handed out meanwhile
+        has detached its set already)."""
+        deferred, self.deferred_detach = self.deferred_detach or [], None
+        for block in deferred:
+            if block.window_pages is not None and not block.holds and block.block_hash is None:
+                self._detach(block)
+
+    def _detach_unhashed(self, block: KVCacheBlock) -> None:
+        if self.deferred_detach is not None:
+            self.deferred_detach.append(block)
+        else:
+            self._detach(block)
 
     def attach(self, block: KVCacheBlock, pages: list[KVCacheBlock]) -> None:
         """Give a newly handed-out ``block`` its window pages (handed out with it), held once."""
@@ -61,7 +82,7 @@ class WindowPages:
         pages = block.window_pages
         self.num_held_pages -= len(pages)
         if block.block_hash is None:
-            self._detach(block)
+            self._detach_unhashed(block)
         states = self.states
         for page in pages:
             page.ref_cnt = 0
@@ -77,7 +98,7 @@ class WindowPages:
         if holds:
             self.num_held_pages += len(pages)
         elif block.block_hash is None:
-            self._detach(block)
+            self._detach_unhashed(block)
         states = self.states
         for page in pages:
             if holds and not page.ref_cnt:

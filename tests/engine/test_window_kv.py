@@ -25,8 +25,8 @@ GEMMA3 = KVLayout(6, 40, (0, 1, 2, 3, 4))  # gemma3 tiny: 1 full layer, G = 5, w
 GEMMA2 = KVLayout(4, 48, (0, 2))  # gemma2 tiny: 2 + 2, G = 1, window 48
 
 
-def make(layout, num_blocks=400, bs=8, budget=64, max_len=512, max_num_seqs=8):
-    sched = Scheduler(num_kv_blocks=num_blocks, block_size=bs, enable_prefix_caching=True, max_num_seqs=max_num_seqs,
+def make(layout, num_blocks=400, bs=8, budget=64, max_len=512, max_num_seqs=8, caching=True):
+    sched = Scheduler(num_kv_blocks=num_blocks, block_size=bs, enable_prefix_caching=caching, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=budget, max_model_len=max_len, kv_layout=layout)
     return sched, WindowRunner(bs, layout)
 
@@ -143,6 +143,56 @@ def test_a_fork_shares_the_prompt_with_its_window_pages():
     sched.add_request(make_request("p#1", prompt(3, 100), max_tokens=6, block_size=bs, fork_source=first))
     drain(sched, runner)
     assert sched.stats.num_preemptions == 0 and runner.reads > 0
+
+
+def test_a_fork_without_prefix_caching_still_shares_the_prompt():
+    """The source keeps the window pages its waiting sibling's fork reads (uncached blocks' pages are
+    freed, not kept, once released): the sibling starts where a plain layout's would."""
+    layout, bs = GEMMA3, 8
+    starts = {}
+    for name, lay in (("hybrid", layout), ("plain", KVLayout.plain(6))):
+        sched, runner = make(lay, bs=bs, budget=256, caching=False)
+        first = make_request("p#0", prompt(3, 200), max_tokens=6, block_size=bs)
+        child = make_request("p#1", prompt(3, 200), max_tokens=6, block_size=bs, fork_source=first)
+        sched.add_request(first)
+        sched.add_request(child)
+        seen = []
+        for _ in range(50):
+            so = sched.schedule()
+            sched.update_from_output(so, runner.execute_model(so))
+            if lay.hybrid:
+                window_pool_check(sched.kv)
+            seen += [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+            if not sched.has_unfinished_requests():
+                break
+        starts[name] = dict(seen)["p#1"]
+    assert starts == {"hybrid": 192, "plain": 192}  # (200 - 1) // 8 blocks
+
+
+def test_a_failed_plan_gives_a_request_it_preempted_its_own_pages_back():
+    """The plan preempts "new" (its partial last block has no hash: its pages are freed) and raises
+    before handing any page out: undone, "new" runs on with its tokens and the same pages."""
+    layout, bs = GEMMA2, 4
+    sched, runner = make(layout, num_blocks=10, bs=bs, budget=16, max_len=40, max_num_seqs=2)
+    sched.add_request(make_request("old", prompt(4, 8), max_tokens=3, block_size=bs))
+    sched.add_request(make_request("new", prompt(5, 5), max_tokens=3, block_size=bs))
+    step(sched, runner)
+    old, new = sched.running
+    pages = sched.kv.window_block_ids("new")
+    preempt = sched._preempt
+
+    def preempt_then_fail(request, counted=True):
+        preempt(request, counted)
+        raise RuntimeError("fault")
+
+    sched._preempt = preempt_then_fail
+    with pytest.raises(RuntimeError):
+        sched.schedule()
+    del sched._preempt
+    assert [r.request_id for r in sched.running] == ["old", "new"]
+    assert new.status == RequestStatus.RUNNING and new.num_computed_tokens == 5 and new.num_preemptions == 0
+    assert sched.kv.window_block_ids("new") == pages
+    window_pool_check(sched.kv)
 
 
 def test_pool_exhaustion_preempts_rather_than_deadlocks():
