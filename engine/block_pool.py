@@ -275,7 +275,7 @@ class BlockPool(WindowPages):
         if not block.ref_cnt:
             self.states[block.block_id] = FREE
         if block.window_pages is not None and not block.holds:
-            self._detach(block)  # free pages follow only a cached block
+            self.detach(block)  # free pages follow only a cached block
         return True
 
     def forget_elsewhere(self, block_hash: BlockHash, held_elsewhere: Callable[[BlockHash], bool] | None = None) -> None:
@@ -303,9 +303,9 @@ class BlockPool(WindowPages):
             states.extend(bytes([FREE]) * (len(self.blocks) - len(states)))
         for block in blocks:
             if block.owner is not None:  # a free window page: its owner's set is broken up
-                self._detach(block.owner)
+                self.detach(block.owner)
             if block.window_pages is not None:  # a cached block nobody holds the pages of
-                self._detach(block)
+                self.detach(block)
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1

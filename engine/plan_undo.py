@@ -170,6 +170,13 @@ class PlanUndo:
         # 3. hashes the plan evicted: the blocks still hold that KV
         for block, block_hash, token_ids in reversed(self.evictions):
             if block.block_hash is None:
+                if kv.num_window_groups:
+                    # the plan attached pages to it, or made it a page of a block it handed out: those
+                    # were never written, and a cached block's pages are its own KV
+                    if block.owner is not None and not block.owner.holds:
+                        pool.detach(block.owner)
+                    if block.window_pages is not None and not block.holds:
+                        pool.detach(block)
                 pool.cache_block(block, block_hash, token_ids)
         pool.num_evictions = self.pool_evictions
         # 4. the requests, the queues and the statistics

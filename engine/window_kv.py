@@ -68,7 +68,10 @@ class WindowHolds:
                 continue
             start = self._win_start[request.request_id]
             end = min(self.first_needed(request.num_computed_tokens), len(table))
-            if sources and id(request) in sources:  # a fork takes (prompt - 1) // bs blocks
+            if (sources and id(request) in sources and request.num_computed_tokens <= request.num_prompt_tokens):
+                # a fork takes (prompt - 1) // bs blocks; kept only until the source decodes past its
+                # prompt (a sibling that could not start by then recomputes what was released): the
+                # holds stay within ``max_pages_per_sequence``, so one sequence alone always fits
                 end = min(end, self.first_needed((request.num_prompt_tokens - 1) // self.block_size * self.block_size))
             for i in range(start, end):  # advanced block by block: an interruption leaves it true
                 release(table[i])
@@ -140,7 +143,9 @@ def max_pages_per_sequence(layout: KVLayout, block_size: int, max_len: int, chun
     num_blocks = -(-max_len // block_size)
     if not layout.hybrid:
         return num_blocks
-    span = (layout.window + chunk - 1 + 2 * block_size - 2) // block_size
+    # a source keeping the pages its n > 1 siblings fork holds one more block with a chunk <= block_size
+    # (``release_behind_windows``): as if the chunk were one token longer than a block
+    span = (layout.window + max(chunk, block_size + 1) - 1 + 2 * block_size - 2) // block_size
     return num_blocks + layout.num_window_groups * min(num_blocks, span)
 
 

@@ -39,13 +39,13 @@ class WindowPages:
         deferred, self.deferred_detach = self.deferred_detach or [], None
         for block in deferred:
             if block.window_pages is not None and not block.holds and block.block_hash is None:
-                self._detach(block)
+                self.detach(block)
 
     def _detach_unhashed(self, block: KVCacheBlock) -> None:
         if self.deferred_detach is not None:
             self.deferred_detach.append(block)
         else:
-            self._detach(block)
+            self.detach(block)
 
     def attach(self, block: KVCacheBlock, pages: list[KVCacheBlock]) -> None:
         """Give a newly handed-out ``block`` its window pages (handed out with it), held once."""
@@ -55,7 +55,8 @@ class WindowPages:
         block.holds = 1
         self.num_held_pages += len(pages)
 
-    def _detach(self, block: KVCacheBlock) -> None:
+    def detach(self, block: KVCacheBlock) -> None:
+        """``block`` loses its attached pages (their ref counts and places in the free queue stay)."""
         for page in block.window_pages:
             page.owner = None
         block.window_pages = None

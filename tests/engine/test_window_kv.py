@@ -72,7 +72,8 @@ def test_a_long_sequence_holds_its_blocks_and_the_window_pages_only(layout):
         runner.check_mirror(sched)
     # 359 tokens computed: 45 blocks, the window pages of the last window's blocks only
     assert most <= max_pages_per_sequence(layout, bs, 360, 64) < 45 * (1 + G)
-    assert last <= max_pages_per_sequence(layout, bs, 359, 1) == 45 + G * ((layout.window + 2 * bs - 2) // bs)
+    # a decode step spans the window and one more block (a fork's source may keep one block more)
+    assert last <= max_pages_per_sequence(layout, bs, 359, 1) == 45 + G * ((layout.window + 3 * bs - 2) // bs)
     assert runner.reads > 0 and sched.stats.num_preemptions == 0 and pool.num_held_pages == 0
 
 
@@ -167,6 +168,22 @@ def test_a_fork_without_prefix_caching_still_shares_the_prompt():
                 break
         starts[name] = dict(seen)["p#1"]
     assert starts == {"hybrid": 192, "plain": 192}  # (200 - 1) // 8 blocks
+
+
+def test_a_fork_source_alone_in_the_smallest_pool_still_finishes():
+    """One sequence at a time, caching off, the pool sized for one sequence: the source keeps what its
+    waiting sibling would fork only until it decodes past its prompt, so it never outgrows the pool
+    (keeping them for good, it preempted itself at every step: a livelock)."""
+    layout, bs, budget = KVLayout(6, 9, (0, 1, 2, 3, 4)), 4, 4
+    num_blocks = max_pages_per_sequence(layout, bs, 40, budget) + 1
+    sched, runner = make(layout, num_blocks=num_blocks, bs=bs, budget=budget, max_len=40, max_num_seqs=1,
+                         caching=False)
+    first = make_request("p#0", prompt(6, 10), max_tokens=12, block_size=bs, ignore_eos=True)
+    sched.add_request(first)
+    sched.add_request(make_request("p#1", prompt(6, 10), max_tokens=12, block_size=bs, ignore_eos=True,
+                                   fork_source=first))
+    drain(sched, runner, limit=200)
+    assert sched.stats.num_preemptions == 0 and runner.reads > 0
 
 
 def test_a_failed_plan_gives_a_request_it_preempted_its_own_pages_back():

@@ -101,3 +101,57 @@ class WindowMachine(SchedulerMachine):
 
 WindowMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 TestWindowProperties = WindowMachine.TestCase
+
+
+class _Draws:
+    """``data`` for a rule replayed by hand: its draws, in order."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy):
+        return self.values.pop(0)
+
+
+def _replay(setup: dict, rules: list[tuple[str, dict]]) -> WindowMachine:
+    machine = WindowMachine()
+    machine.setup(**setup)
+    for name, kwargs in rules:
+        getattr(machine, name)(**kwargs)
+        machine.pool_is_consistent()
+        machine.tables_cover_computed_tokens_and_match_hashes()
+        machine.window_tables_mirror_the_pages()
+        machine.workers_mirror_the_scheduler()
+    machine.teardown()
+    return machine
+
+
+def test_a_failed_plan_that_evicted_cached_blocks_gives_their_hashes_back_without_the_plans_pages():
+    """Found by the machine: a plan hands out cached blocks (one as a new table block, one as its window
+    page) and raises; undone, each gets its hash back, and neither keeps the plan's pages (never written)."""
+    machine = _replay(
+        dict(layout=LAYOUTS[0], caching=True, extra=0, budget=10, max_num_seqs=2),
+        [("add", dict(eos=False, length=13, max_tokens=3, n=1, salt=None, tail=0, text=1))]
+        + [("step", {})] * 3
+        + [("add", dict(eos=False, length=20, max_tokens=1, n=3, salt=None, tail=0, text=0))]
+        + [("step", {})] * 3
+        + [("plan_raises", dict(alone=False, at=2, data=_Draws(), method="allocate_slots"))])
+    assert machine.runner.reads > 0
+
+
+def test_a_plan_undone_after_a_failed_step_alone_reads_every_window_position_right():
+    """Found by the machine (CI): forks, failed steps alone and plans raising in each call; every window
+    position read afterwards holds its KV."""
+    machine = _replay(
+        dict(layout=LAYOUTS[1], budget=26, extra=5, max_num_seqs=5, caching=True),
+        [("add", dict(eos=False, length=36, max_tokens=2, n=3, salt=None, tail=0, text=0)), ("step", {}),
+         ("add", dict(eos=False, length=26, max_tokens=12, n=3, salt=None, tail=0, text=1))]
+        + [("step", {})] * 5
+        + [("plan_raises", dict(alone=False, at=1, data=_Draws(), method="allocate_slots")),
+           ("add", dict(eos=False, length=1, max_tokens=1, n=1, salt=None, tail=0, text=0)),
+           ("step_alone", dict(data=_Draws("r2#0"), fail=True)),
+           ("plan_raises", dict(alone=False, at=2, data=_Draws(), method="get_computed_blocks")),
+           ("plan_raises", dict(alone=False, at=3, data=_Draws(), method="allocate_slots")),
+           ("plan_raises", dict(alone=False, at=6, data=_Draws(), method="get_forkable_blocks")),
+           ("finish_by_stop_string", dict(data=_Draws("r1#0"))), ("step", {})])
+    assert machine.runner.reads > 0
