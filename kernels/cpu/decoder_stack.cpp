@@ -11,9 +11,11 @@
 // fixed_order (the engine's deterministic mode): the fixed-order linear and attention orders, as the
 // layers bound in that mode run them.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
-#include <torch/library.h>
 
 #include "ops.h"
 
@@ -33,6 +35,8 @@ c10::optional<at::Tensor> bias_of(const at::Tensor& b) {
   if (!b.defined() || b.numel() == 0) return c10::nullopt;
   return b;
 }
+
+}  // namespace
 
 at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& positions, at::TensorList weights,
                          at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& cos_sin_cache,
@@ -102,24 +106,13 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
   return h;
 }
 
+namespace {
+
 at::Tensor stack_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fixed_order) {
   KVSERVE_SCOPE("linear");
   return fixed_order ? kvserve::linear_fixed_order(x, weight, bias_of(bias)) : kvserve::linear(x, weight, bias_of(bias));
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
-  m.def(
-      "decoder_stack(Tensor(a!) hidden, Tensor positions, Tensor[] weights, Tensor(b!)[] k_pools, "
-      "Tensor(c!)[] v_pools, Tensor cos_sin_cache, Tensor final_norm, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, Tensor group_block_tables, Tensor group_lens, "
-      "Tensor group_member_start, Tensor group_members, int num_heads, int num_kv_heads, int head_dim, float eps, "
-      "float scale, bool fixed_order, Tensor[] qk_norms) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
-  m.impl("decoder_stack", &decoder_stack);
-}
 
 }  // namespace kvserve

@@ -3,11 +3,12 @@
 // start): RMSNorm, residual add + RMSNorm in place, SiLU-and-multiply, and neox rotary in place.
 // Statistics and arithmetic in float32 whatever the storage type, as the torch versions do.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include "ops.h"
 #include "vec.h"
@@ -238,23 +239,6 @@ int64_t parallel_threads() {
   std::atomic<int64_t> chunks{0};
   at::parallel_for(0, int64_t{1} << 20, 1, [&](int64_t, int64_t) { chunks.fetch_add(1); });
   return chunks.load();
-}
-
-TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
-  m.def("parallel_threads() -> int", &parallel_threads);
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cache, int head_dim) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("argmax_rows", &argmax_rows);
-  m.impl("rotary_embedding", &rotary_embedding);
 }
 
 }  // namespace kvserve

@@ -14,7 +14,8 @@
 #include "gemm.h"
 
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include <algorithm>
 #include <array>
@@ -233,12 +234,6 @@ double fma_peak(int64_t iterations, bool parallel) {
   double total = 0.0;
   for (const double rate : rates) total += rate;
   return total;
-}
-
-TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
-  // GFLOP/s of multiply-adds on the kernels' vectors: the calling thread alone, or (parallel) every
-  // thread of torch's pool at once (their total)
-  m.def("fma_peak(int iterations, bool parallel=False) -> float", &fma_peak);
 }
 
 }  // namespace kvserve

@@ -7,9 +7,11 @@
 // A weight packed into column panels (pack_linear_weight, a [N / panel, K, panel] tensor) runs the
 // packed product of gemm.cpp instead, at any number of rows.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 
 #include "gemm.h"
 #include "ops.h"
@@ -235,19 +237,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     if (linear_split(out, x.contiguous(), weight, bias)) return out;
   }
   return at::linear(x, weight, bias);
-}
-
-TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("linear_fixed_order(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("pack_linear_weight(Tensor weight, Tensor(a!) out) -> ()");
-  m.def("linear_panel_width() -> int", &linear_panel_width);
-}
-
-TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
-  m.impl("linear", &linear);
-  m.impl("linear_fixed_order", &linear_fixed_order);
-  m.impl("pack_linear_weight", &pack_linear_weight);
 }
 
 }  // namespace kvserve

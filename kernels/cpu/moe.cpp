@@ -18,9 +18,12 @@
 // features padded with zeros to Np, a multiple of the panel width, so any width runs the packed product
 // (the padded columns are computed and never read).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -171,17 +174,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
     }
   });
   return out;
-}
-
-TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
-  m.def("moe_pack_weight(Tensor weight) -> Tensor");
-  m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int expert_start, "
-        "int intermediate) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
-  m.impl("moe_pack_weight", &moe_pack_weight);
-  m.impl("moe_experts", &moe_experts);
 }
 
 }  // namespace kvserve

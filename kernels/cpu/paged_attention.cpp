@@ -37,11 +37,12 @@
 // before the mask and the softmax. Groups whose rows do not all see every shared key, and any group
 // under soft-capping, take the vector kernel rather than BLAS (group_attention.cpp has neither).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include "group_attention.h"
 #include "ops.h"
@@ -844,18 +845,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                       group_block_tables, group_lens, group_member_start, group_members, scale, fixed_order, window,
                       softcap);
   return out;
-}
-
-TORCH_LIBRARY(kvserve_cpu, m) {
-  m.def(
-      "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, "
-      "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, "
-      "Tensor group_block_tables, Tensor group_lens, Tensor group_member_start, Tensor group_members, "
-      "float scale, bool fixed_order=False, int window=0, float softcap=0.0) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
 }
 
 }  // namespace kvserve

@@ -4,7 +4,8 @@
 // region of that calling thread reuses, torch's own products included, so one call binds them all.
 
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include <vector>
 
@@ -14,7 +15,6 @@
 #endif
 
 namespace kvserve {
-namespace {
 
 // Thread t of a region of len(cores) threads is bound to cores[t]; returns, per thread, the core it
 // is bound to (-1 where it could not be: not Linux, a core outside the process's CPUs, or a region
@@ -47,13 +47,6 @@ std::vector<int64_t> thread_cores(int64_t n) {
     (void)begin;
   });
   return where;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
-  m.def("bind_threads(int[] cores) -> int[]", &bind_threads);
-  m.def("thread_cores(int n) -> int[]", &thread_cores);
 }
 
 }  // namespace kvserve
