@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
 	$(BIN)/python -m kernels.cpu
 	touch $(STAMP)
 
+# pytest-xdist workers, each taking a whole module at a time (the longest first: tests/conftest.py); every
+# worker starts its own Ray clusters, so more than the cores rarely helps
+TEST_JOBS ?= 2
 # tests/serve/test_metrics_prometheus.py runs a real Prometheus (the Debian package) against the app
 PROMETHEUS_PKG := $(shell command -v prometheus >/dev/null 2>&1 || echo missing)
 
@@ -30,7 +33,7 @@ ifeq ($(PROMETHEUS_PKG),missing)
 	-command -v apt-get >/dev/null && (apt-get install -y -q prometheus >/dev/null 2>&1 || \
 		(apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null))
 endif
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile tests
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests

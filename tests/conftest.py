@@ -23,11 +23,45 @@ def pytest_configure(config):
     ``import torch`` imports triton where it is installed. So it is set here, before any test module
     is collected (and imports torch); not when the run selects the ``gpu`` tests (``-m gpu``), which
     run the same kernels compiled on CUDA (``tests/gpu``)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        # each xdist worker its own Ray temp dir: ray.init() with no address joins the cluster a `ray start`
+        # on this machine last recorded there (a test of the other worker may have one running)
+        os.environ["RAY_TMPDIR"] = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), f"ray-{worker}")
+        os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
     if (config.getoption("markexpr") or "").replace(" ", "") == "gpu":
         return
     assert "triton.language" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", (
         "triton was imported before the test session could set TRITON_INTERPRET=1")
     os.environ["TRITON_INTERPRET"] = "1"
+
+# The longest modules (seconds on the 2-core VM, serially), run first: ``make test`` spreads modules over
+# two pytest-xdist workers (``--dist loadfile``, each worker taking the next module in order when it is
+# free), so the long ones starting first leave short ones for the end instead of one worker running a
+# long module while the other waits.
+LONG_MODULES = {
+    "tests/kernels/test_cpu_build.py": 131, "tests/serve/test_chaos.py": 124,
+    "tests/serve/test_engine_recovery.py": 118, "tests/kernels/triton/test_triton_compile.py": 90,
+    "tests/benchmarks/test_gpu_bench.py": 72, "tests/benchmarks/test_fresh_bench.py": 68,
+    "tests/serve/test_fleet.py": 65, "tests/kernels/triton/test_triton_warmup.py": 65,
+    "tests/serve/test_serve_cli.py": 63, "tests/kernels/triton/test_triton_graphs.py": 51,
+    "tests/cluster/test_tensor_parallel.py": 49, "tests/serve/test_autoscaling.py": 43,
+    "tests/kernels/triton/test_triton_gemma.py": 42, "tests/benchmarks/test_online_vllm.py": 40,
+    "tests/serve/test_serve_app.py": 40, "tests/kernels/triton/test_triton_deterministic.py": 40,
+    "tests/cluster/test_gemma_tp.py": 39, "tests/serve/test_overload.py": 36,
+    "tests/kernels/test_cpu_envelope.py": 34, "tests/cluster/test_failure_recovery.py": 32,
+    "tests/kernels/triton/test_triton_moe.py": 28, "tests/serve/test_dashboard_serve.py": 28,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules of ``LONG_MODULES`` first, longest first; the rest in their usual order."""
+    def weight(item) -> float:
+        path = item.nodeid.split("::", 1)[0]
+        return -LONG_MODULES.get(path, 0)
+
+    items.sort(key=weight)  # stable: a module's tests keep their order
+
 
 ARCHS = ("llama", "qwen2", "opt")
 
