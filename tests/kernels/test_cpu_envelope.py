@@ -20,7 +20,7 @@ from kernels.reference import naive_rms_norm, naive_rotary
 from tests.compiled import cpu_backend_or_skip
 from tests.kernels.model_shapes import MODELS, linear_shapes
 from tests.kernels.test_cpu_attention import Pool, attend, plan_for, run, shared_batch
-from workers.layers.kernels import _transposed_layout
+from workers.allocator import huge_empty
 
 CPU = cpu_backend_or_skip()
 OPS = CPU.layer_ops
@@ -60,27 +60,61 @@ def assert_within_ulps(got: torch.Tensor, ref: torch.Tensor, ulps: float, floor:
         f"where {ref.flatten()[worst].item()} was due")
 
 
+@pytest.fixture(scope="module")
+def linear_buffers() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Memory for the linear test's weights, shared by its shapes: the first n x k values of ``values``
+    (uniform in [-1, 1), drawn once) are the weight of shape (n, k), stored as the transpose of a
+    contiguous [k, n] matrix on huge pages, which is the layout ``_transposed_layout`` gives; ``packed``
+    takes the shape's packed weight. Drawing and laying out ~800M values afresh per shape took most of
+    the test's time (the weights of two shapes overlap; each is still n x k independent values)."""
+    largest = max(n * k for n, k in SHAPES)
+    values = huge_empty((largest,), torch.float32).uniform_(-1.0, 1.0, generator=torch.Generator().manual_seed(7))
+    packed = huge_empty((largest,), torch.float32)
+    yield values, packed
+    del values, packed
+
+
+def _reference(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight_t (+ bias) in float64, weight_t [k, n] converted a slice of inputs at a time (the
+    float64 copy of a whole 37888 x 3584 weight is a gigabyte): the same float64 sums, in float32."""
+    k, n = weight_t.shape
+    x64 = x.double()
+    ref = torch.zeros(x.shape[0], n, dtype=torch.float64) if bias is None else bias.double().expand(x.shape[0], n).clone()
+    step = max(4, (1 << 19) // n)  # a slice of 4 MiB in float64: it stays in cache for its product
+    for k0 in range(0, k, step):
+        ref.addmm_(x64[:, k0:k0 + step], weight_t[k0:k0 + step].double())
+    return ref.float()
+
+
+# the batches: a decode-sized one at every thread count, a prefill-sized one at two. 31 rows are row
+# tiles and a tail in every product, as 67 were (packed: 2 tiles of 12 + 7 on AVX-512, 5 of 6 + 1 on
+# AVX2; fixed-order: 7 tiles of 4 + 3) and one row block (at most 120 rows) like them; how the
+# columns are split between threads depends on the width and the thread count only, not the rows
+DECODE_ROWS, PREFILL_ROWS = 5, 31
+
+
 @pytest.mark.parametrize("shape", list(SHAPES), ids=[f"{SHAPES[s]}-{s[0]}x{s[1]}" for s in SHAPES])
-def test_linear_at_real_widths_and_thread_counts(shape):
+def test_linear_at_real_widths_and_thread_counts(shape, linear_buffers):
     """The three products a linear layer can run (the column-split BLAS one on the transposed layout,
     the packed one where the panel width divides the outputs, the fixed-order one of deterministic
     mode) give every output column, at every thread count, for decode-sized and prefill-sized batches."""
     n, k = shape
+    values, packed_memory = linear_buffers
     gen = torch.Generator().manual_seed(n * 7 + k)
-    weight = torch.empty(n, k).uniform_(-1.0, 1.0, generator=gen) / math.sqrt(k)
+    weight_t = values[:n * k].view(k, n)  # uniform in [-1, 1): the 1 / sqrt(k) scale is put on x instead
     bias = torch.randn(n, generator=gen) if n % 2 == 0 else None  # unwritten columns would keep the bias
-    layouts = {"split": _transposed_layout(weight)}
+    layouts = {"split": weight_t.t()}
+    assert layouts["split"].stride() == (1, n)
     if n % OPS.panel_width == 0:
-        packed = torch.empty(n // OPS.panel_width, k, OPS.panel_width)
-        OPS.pack_linear_weight(weight, packed)
+        packed = packed_memory[:n * k].view(n // OPS.panel_width, k, OPS.panel_width)
+        OPS.pack_linear_weight(weight_t.t(), packed)
         layouts["packed"] = packed
-    weight64 = weight.double()
-    del weight
-    # a decode-sized batch at every thread count, a prefill-sized one (row tiles and their tail) at two
-    for rows, counts in ((5, LINEAR_THREADS), (67, (3, 8))):
-        x = torch.randn(rows, k, generator=gen)
-        # float64 products, compared in float32: the subtraction's rounding is far below the bound
-        ref = F.linear(x.double(), weight64, None if bias is None else bias.double()).float()
+    batches = ((DECODE_ROWS, LINEAR_THREADS), (PREFILL_ROWS, (3, 8)))
+    xs = [torch.randn(rows, k, generator=gen) / math.sqrt(k) for rows, _ in batches]
+    # float64 products of both batches in one pass over the weight, compared in float32: the
+    # subtraction's rounding is far below the bound
+    refs = _reference(torch.cat(xs), weight_t, bias).split([rows for rows, _ in batches])
+    for x, ref, (rows, counts) in zip(xs, refs, batches):
         for t in counts:
             with threads(t):
                 results = {name: OPS.linear(x, w, bias) for name, w in layouts.items()}

@@ -17,9 +17,12 @@ from api import kvserve_pb2 as pb
 from api.errors import ENGINE_DEAD_MESSAGE
 from benchmarks.chaos import INTERNALS
 from api import kvserve_pb2_grpc as pb_grpc
-from tests.serve.serve_harness import metrics, start_serve, stop_serve, wait_for
+from tests.serve.serve_harness import metrics, quick_stop, start_serve, stop_serve, wait_for
 
 MODEL = "tiny"
+# where the test is that Serve replaces an unhealthy replica: its health checked every 0.5 s (the app's
+# 2 s): the 3 failed checks in a row Serve waits for take 1.5 s, not 6
+REPLACED_SOON = {"health_check_period_s": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +32,13 @@ def served():
     stop_serve()
 
 
-def deploy(model_dir: str, app: str, **extra) -> None:
+def deploy(model_dir: str, app: str, deployment_options: dict | None = None, **extra) -> None:
     from ray import serve
 
     from serve_app import build_app
 
-    args = {"model": model_dir, "served_model_name": MODEL, "max_num_seqs": 4, "num_kv_blocks": 256, **extra}
+    args = {"model": model_dir, "served_model_name": MODEL, "max_num_seqs": 4, "num_kv_blocks": 256,
+            **quick_stop(**(deployment_options or {})), **extra}
     serve.run(build_app(args), name=app, route_prefix="/")
 
 
@@ -169,7 +173,7 @@ def test_a_killed_scheduler_actor_is_rebuilt_and_refusals_are_clean(served, mode
 
 def test_without_restarts_the_health_check_fails_and_serve_replaces_the_replica(served, model_dirs):
     url = served["url"]
-    deploy(model_dirs["llama"], "replace", max_engine_restarts=0)
+    deploy(model_dirs["llama"], "replace", REPLACED_SOON, max_engine_restarts=0)
     assert complete(url).status_code == 200
     killed = kill_engine("replace")
     assert_unavailable(complete(url))
@@ -195,11 +199,14 @@ def test_a_replica_that_cannot_be_placed_gets_503s_not_a_wait(served, model_dirs
 
     url = served["url"]
     monkeypatch.setattr(serve_app, "cluster_cpus", lambda: None)
-    app = serve_app.build_app({"model": model_dirs["llama"], "served_model_name": MODEL, "engine_cpus": 64})
+    # a replica never placed cannot answer Serve's graceful stop: serve.delete would wait out its
+    # graceful_shutdown_timeout_s (20 s by default) before killing it
+    app = serve_app.build_app({"model": model_dirs["llama"], "served_model_name": MODEL, "engine_cpus": 64,
+                               **quick_stop(graceful_shutdown_timeout_s=1)})
     serve.run_many([serve.RunTarget(target=app, name="unplaced", route_prefix="/")],
                    wait_for_applications_running=False)
     try:
-        wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code != 404, timeout_s=60)
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code != 404, timeout_s=60, interval_s=0.1)
         started = time.monotonic()
         r = complete(url, timeout=30)
         assert time.monotonic() - started < 5
@@ -222,7 +229,7 @@ def test_an_engine_that_gives_up_on_its_ranks_is_replaced_with_its_replica(serve
     import ray
 
     url = served["url"]
-    deploy(model_dirs["qwen2"], "giveup", tensor_parallel_size=2, max_worker_restarts=0)
+    deploy(model_dirs["qwen2"], "giveup", REPLACED_SOON, tensor_parallel_size=2, max_worker_restarts=0)
     assert complete(url).status_code == 200
     [name] = engine_names("giveup")
     pids = ray.get(ray.get_actor(name, namespace="kvserve").worker_pids.remote())
