@@ -43,7 +43,7 @@ ENGINE_KWARGS = frozenset({
     "max_consecutive_failed_steps",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
     "max_stop_token_ids", "max_stop_string_length", "max_stop_total_length", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
-    "disable_hybrid_kv_cache_manager",
+    "disable_hybrid_kv_cache_manager", "kv_cache_dtype",
     "max_prompt_logprobs_entries",
     "enforce_eager", "structured_output_max_length", "structured_output_max_depth", "structured_output_max_count",
     "structured_output_compile_timeout_s", "structured_output_max_pending_compiles",
@@ -135,6 +135,9 @@ class AppArgs(BaseModel):
     # Gemma 2 / 3: keep the sliding-window layers' blocks as the full layers' are, instead of releasing
     # those behind the window (vLLM's name)
     disable_hybrid_kv_cache_manager: bool = False
+    # the KV pool's format: the model's dtype, or fp8 (e4m3) / fp8_e5m2 / int8 codes with a scale per token
+    # and KV head (about half the bytes of bfloat16: twice the blocks in the same memory)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"] = "auto"
     # batch-invariant numerics: a greedy request's tokens and logprobs do not depend on its batch
     deterministic: bool = False
     # False: decode steps replay CUDA graphs (CUDA, attention_backend triton); eager by default for now

@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 TP_DISPATCH = ("remote", "compiled")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # as kernels.kv_quant names them
 # the deepest nesting a structured-output constraint may be allowed (the API refuses deeper ones before
 # reading them into the engine's request)
 STRUCTURED_OUTPUT_DEPTH_CEILING = 256
@@ -155,8 +156,13 @@ class CacheConfig:
     # blocks as a full layer's, instead of releasing the window layers' blocks behind their window
     # (``engine.kv_layout``; vLLM's name). The host tier keeps every layer's blocks whole.
     disable_hybrid_kv_cache_manager: bool = False
+    # the KV pool's element format: "auto" (the model's dtype), or quantized codes with a scale per
+    # token and KV head: "fp8" / "fp8_e4m3", "fp8_e5m2", "int8" (``kernels.kv_quant``; vLLM's names)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be between 1 and 1024, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

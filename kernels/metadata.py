@@ -4,6 +4,9 @@ Pool layout, one pair per layer (and per tensor-parallel rank, holding that rank
 
     k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]
 
+(a quantized pool, ``kv_format`` other than "auto": uint8, ``head_dim + 2`` bytes per row, the codes then
+the row's bfloat16 scale: ``kernels.kv_quant``).
+
 A token at position ``p`` of a sequence lives in slot ``block_table[p // block_size] * block_size +
 p % block_size``. Block 0 is the null block: padding slots point there and nothing reads it back.
 A hybrid KV layout (``engine.kv_layout``) gives the window layers their own tables (``window_metas``):
@@ -70,6 +73,9 @@ class PagedAttentionMetadata:
     # batch-invariant results (the engine's ``deterministic``): every row reduces in one fixed order,
     # so a token's output does not depend on the other rows of the step (backends that support it)
     deterministic: bool = False
+    # the pool's format (``kernels.kv_quant``): "auto" (the model's dtype) or the quantized codes'
+    # ("fp8_e4m3", "fp8_e5m2", "int8"), whose rows carry their scale; one per engine
+    kv_format: str = "auto"
     # what the backend derives from this metadata once per step (the Triton backend's launch plan: its
     # tiles on the device), kept with it: a CUDA graph captured over this metadata replays those tensors
     backend_plan: object = None
@@ -94,7 +100,7 @@ class PagedAttentionMetadata:
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device | str = "cpu", backend: AttentionBackend | None = None,
               deterministic: bool = False,
-              window_block_tables: list[list[list[int]]] = ()) -> PagedAttentionMetadata:
+              window_block_tables: list[list[list[int]]] = (), kv_format: str = "auto") -> PagedAttentionMetadata:
         """Metadata from plain lists (tests, profiling): slots of each sequence's query positions;
         ``window_block_tables``: per window group, its tables (``window_metas``; no shared-prefix groups)."""
         width = max((len(t) for t in block_tables), default=0)
@@ -123,6 +129,7 @@ class PagedAttentionMetadata:
             num_decodes=num_decodes,
             backend=backend,
             deterministic=deterministic,
+            kv_format=kv_format,
         )
         for tables in window_block_tables:
             if len(tables) != len(block_tables) or any(len(w) != len(t) for w, t in zip(tables, block_tables)):

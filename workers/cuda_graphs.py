@@ -61,7 +61,8 @@ class DecodeGraphs:
     """Static buffers, metadata and (on CUDA) a captured graph per bucket of decode-only steps."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, backend, sizes: list[int], max_blocks: int,
-                 max_model_len: int, deterministic: bool, device: torch.device, capture: bool = True) -> None:
+                 max_model_len: int, deterministic: bool, device: torch.device, capture: bool = True,
+                 kv_format: str = "auto") -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.sizes = sorted(sizes)
         self.deterministic = deterministic
@@ -81,7 +82,7 @@ class DecodeGraphs:
             bs: PagedAttentionMetadata(
                 slot_mapping=self.slots[:bs], query_start_loc=self.query_start[:bs + 1], seq_lens=self.seq_lens[:bs],
                 block_tables=self.block_tables[:bs], query_lens=[1] * bs, context_lens=[max_model_len] * bs,
-                num_decodes=bs, backend=backend, deterministic=deterministic,
+                num_decodes=bs, backend=backend, deterministic=deterministic, kv_format=kv_format,
             )
             for bs in self.sizes
         }

@@ -54,13 +54,15 @@ class StepBatch:
 class InputBatch:
     def __init__(self, block_size: int, max_model_len: int, device: torch.device, backend: AttentionBackend,
                  cascade: bool, staging_size: int = 4096, long_rope: tuple[int, int] | None = None,
-                 num_window_groups: int = 0) -> None:
+                 num_window_groups: int = 0, kv_format: str = "auto") -> None:
         """``staging_size``: elements of each dtype's staging buffers at start (they grow if a step needs more).
         ``long_rope`` (LongRoPE models: ``RotaryEmbedding.long_rope``): (original length, offset): the
         positions the model gets are offset for requests whose prompt is longer than the original length,
         which selects the long factors' rows of the rotary cache (slots come from the true positions).
-        ``num_window_groups``: the hybrid KV layout's window tables (0: a plain layout)."""
+        ``num_window_groups``: the hybrid KV layout's window tables (0: a plain layout). ``kv_format``:
+        the pool's (every step's metadata carries it)."""
         self.long_rope = long_rope
+        self.kv_format = kv_format
         self.block_size = block_size
         self.device = device
         self.backend = backend
@@ -199,6 +201,7 @@ class InputBatch:
             num_decodes=num_decodes,
             cascade=CascadeGroups(*tensors[6:11]) if plan is not None else None,
             backend=self.backend,
+            kv_format=self.kv_format,
         )
         k = 11 if plan is not None else 6
         for table_g in window_tables_t:

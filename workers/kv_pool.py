@@ -2,7 +2,9 @@
 here is ``KVLayout.page_layers``: every model layer for a plain layout, the full-attention layers for
 a hybrid one, whose window layers share those pairs through their own tables), each [num_blocks,
 block_size, num_kv_heads_per_rank, head_dim], carved from one allocation; and this rank's shard of the
-host KV tier (``HostKVTier``, plain layouts only), when there is one."""
+host KV tier (``HostKVTier``, plain layouts only), when there is one. A quantized pool
+(``kv_cache_dtype``, ``kernels.kv_quant``) is uint8 with ``head_dim + 2`` bytes per row (the codes, then
+the row's bfloat16 scale): the host tier holds the same bytes."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import pool_dtype_and_width, row_bytes
 from workers.allocator import prefault_in_background, zeroed_mapping
 
 
@@ -21,11 +24,21 @@ class KVPoolSpec:
     block_size: int
     dtype: torch.dtype
     kv_heads_replicated: bool = False  # tp > the model's KV heads: ranks hold copies of a head
+    kv_format: str = "auto"  # the model's dtype, or a quantized format (``kernels.kv_quant``)
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        row = row_bytes(self.kv_format, self.head_dim, self.dtype)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        return pool_dtype_and_width(self.kv_format, self.head_dim, self.dtype)[0]
+
+    @property
+    def row_width(self) -> int:
+        """The pool's last dimension: head_dim, or head_dim + 2 bytes when quantized."""
+        return pool_dtype_and_width(self.kv_format, self.head_dim, self.dtype)[1]
 
     def num_blocks_for(self, num_bytes: int) -> int:
         return num_bytes // self.bytes_per_block
@@ -36,13 +49,13 @@ def allocate_kv_pool(spec: KVPoolSpec, num_blocks: int, device: torch.device, *,
     """Zero-filled pools (zeros, not garbage: masked attention still multiplies the null block); on CPU
     fresh anonymous memory, backed by huge pages where the kernel allows, its pages mapped by a
     background thread with ``prefault`` (``workers.allocator``)."""
-    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
     if device.type == "cpu":
-        pool = zeroed_mapping(shape, spec.dtype)
+        pool = zeroed_mapping(shape, spec.pool_dtype)
         if prefault:
             prefault_in_background(pool)
     else:
-        pool = torch.zeros(shape, dtype=spec.dtype, device=device)
+        pool = torch.zeros(shape, dtype=spec.pool_dtype, device=device)
     return [(pool[layer, 0], pool[layer, 1]) for layer in range(spec.num_layers)]
 
 
@@ -56,9 +69,9 @@ class HostKVTier:
         self.spec = spec
         self.num_slots = num_slots
         self.device = device
-        shape = (spec.num_layers, 2, num_slots, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, 2, num_slots, spec.block_size, spec.num_kv_heads, spec.row_width)
         # never read before written: no need to zero (pages are touched as slots fill)
-        self.buffer = torch.empty(shape, dtype=spec.dtype, pin_memory=device.type == "cuda")
+        self.buffer = torch.empty(shape, dtype=spec.pool_dtype, pin_memory=device.type == "cuda")
 
     @property
     def num_bytes(self) -> int:

@@ -24,6 +24,7 @@ from engine.messages import ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from kernels import PagedAttentionMetadata, select_backend
 from kernels.backends import deterministic_error
+from kernels.kv_quant import is_quantized, kv_format
 from workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.input_batch import InputBatch, RequestState
 from workers.kv_pool import KVPoolSpec, allocate_kv_pool
@@ -63,13 +64,18 @@ class ModelRunner:
         if self.layout.num_layers != num_layers:
             raise ValueError(f"the KV layout has {self.layout.num_layers} layers, the model's KV {num_layers}")
         # a block of the pool holds page_layers layers' K/V (every layer's for a plain layout)
-        self.kv_spec = KVPoolSpec(self.layout.page_layers, kv_heads, head_dim, self.block_size, dtype, replicated)
+        self.kv_format = kv_format(config.cache.kv_cache_dtype)
+        self.kv_spec = KVPoolSpec(self.layout.page_layers, kv_heads, head_dim, self.block_size, dtype, replicated,
+                                  self.kv_format)
         self.kv_pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the pool's tensor pairs
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per model layer (pairs repeat when hybrid)
         self._bind_tables()
         self.attention_backend, why = select_backend(config.attention_backend, device)
         if config.deterministic and (error := deterministic_error(self.attention_backend, dtype)):
             raise ValueError(error)
+        if is_quantized(self.kv_format) and not getattr(self.attention_backend, "supports_quantized_kv", False):
+            raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not supported by the "
+                             f"{self.attention_backend.name} attention backend")
         if self.attention_backend.layer_ops is not None:
             bind_cpu_kernels(self.model, self.attention_backend.layer_ops, config.deterministic)
         elif getattr(self.attention_backend, "fused_ops", None) is not None:
@@ -82,7 +88,7 @@ class ModelRunner:
                                 config.cascade_attention and not config.deterministic,
                                 staging_size=3 * sched.max_num_batched_tokens + 2 * sched.max_num_seqs,
                                 long_rope=getattr(self.model, "long_rope", None),
-                                num_window_groups=self.layout.num_window_groups)
+                                num_window_groups=self.layout.num_window_groups, kv_format=self.kv_format)
         argmax = getattr(self.attention_backend.layer_ops, "argmax", None)
         self.sampler = Sampler(device, config.seed, argmax) if tp.is_first_rank else None
         self.eos_token_ids = tuple(config.model.eos_token_ids)
@@ -155,7 +161,7 @@ class ModelRunner:
         """The decode buckets ``sizes`` over ``kv_caches``, planned for ``max_model_len`` contexts."""
         return DecodeGraphs(self.model, kv_caches, self.attention_backend, sizes,
                             -(-self.config.max_model_len // self.block_size), self.config.max_model_len,
-                            self.config.deterministic, self.device, capture)
+                            self.config.deterministic, self.device, capture, self.kv_format)
 
     def capture_graphs(self, capture: bool | None = None, sizes: list[int] | None = None,
                        budget: int | None = None) -> bool:
@@ -330,7 +336,7 @@ class ModelRunner:
         kv_caches = self.layer_caches(allocate_kv_pool(self.kv_spec, num_blocks, self.device))
         meta = PagedAttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device,
                                             self.attention_backend, self.config.deterministic,
-                                            [tables] * self.layout.num_window_groups)
+                                            [tables] * self.layout.num_window_groups, self.kv_format)
         hidden = self.model(torch.zeros_like(positions), positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden[-(num_rows or len(positions)):])
         del kv_caches, hidden
