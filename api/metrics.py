@@ -52,7 +52,13 @@ GAUGES = {
     "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
     "host_kv_cache_usage": ("host_kv_cache_usage_perc", "Share of the host KV tier's blocks in use (0-1)."),
     "host_kv_cache_blocks": ("host_kv_cache_blocks", "Blocks of the host KV tier on each rank (0: no tier)."),
+    "num_kv_blocks": ("kv_cache_blocks", "Blocks of the KV pool (the null block included)."),
+    "kv_bytes_per_block_per_rank": ("kv_cache_block_bytes", "Bytes of one KV block on each rank, in the pool's "
+                                    "format (kv_cache_dtype)."),
 }
+# an info family (value 1): the KV pool's format as a label
+CACHE_INFO = ("cache_config_info", "The KV pool's format: kv_cache_dtype is auto (the model's dtype), fp8_e4m3, "
+              "fp8_e5m2 or int8.")
 # stats["histograms"] key -> help; the family is named after the key
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Time from arrival to the first generated token.",
@@ -76,6 +82,11 @@ class EngineStatsCollector:
             yield self._fill(CounterMetricFamily(PREFIX + name, help_text, labels=LABELS), key)
         for key, (name, help_text) in GAUGES.items():
             yield self._fill(GaugeMetricFamily(PREFIX + name, help_text, labels=LABELS), key)
+        info = GaugeMetricFamily(PREFIX + CACHE_INFO[0], CACHE_INFO[1], labels=(*LABELS, "kv_cache_dtype"))
+        for labels, stats in self.series:
+            if "kv_cache_dtype" in stats:
+                info.add_metric((*labels, str(stats["kv_cache_dtype"])), 1.0)
+        yield info
         success = CounterMetricFamily(PREFIX + SUCCESS[0], SUCCESS[1], labels=(*LABELS, "finished_reason"))
         for labels, stats in self.series:
             for reason, count in sorted(stats.get("finished_requests", {}).items()):

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.gpu_bench import add_bench_gpu_arguments, run_bench_gpu
     from benchmarks.host_tier import add_bench_host_tier_arguments, run_bench_host_tier
     from benchmarks.hybrid_kv import add_bench_hybrid_kv_arguments, run_bench_hybrid_kv
+    from benchmarks.kv_quant import add_bench_kv_quant_arguments, run_bench_kv_quant
     from benchmarks.online_vllm import add_bench_online_vllm_arguments, run_bench_online_vllm
     from benchmarks.profile_step import add_profile_step_arguments, run_profile_step
     from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         ("bench-hybrid-kv", "a Gemma-3-shaped model with its sliding-window layers' blocks released vs kept: KV "
          "bytes held per long sequence and the most concurrent long sequences a fixed pool holds",
          add_bench_hybrid_kv_arguments, run_bench_hybrid_kv),
+        ("bench-kv-quant", "quantized KV pools (kv_cache_dtype) beside auto: teacher-forced logprob error and "
+         "greedy agreement, blocks in equal bytes, and a multi-turn workload through a pool of equal bytes",
+         add_bench_kv_quant_arguments, run_bench_kv_quant),
         ("bench-serve", "the Serve app over HTTP against the offline engine", add_bench_serve_arguments,
          run_bench_serve),
         ("bench-structured", "constrained decoding: output tok/s with a 10-field JSON schema against the same "

@@ -19,13 +19,20 @@ those layers compute the scores, cap, mask and softmax in plain torch (``_explic
 
 The decode gather is the one transient that grows with the batch and its contexts: decodes are
 attended in slices whose gathered K/V stay within ``DECODE_GATHER_BYTES`` (each slice gathering up
-to its own longest context), so a long-context decode batch cannot take more memory than that."""
+to its own longest context), so a long-context decode batch cannot take more memory than that.
+
+A quantized pool (``meta.kv_format``, ``kernels.kv_quant``) is this backend's reference: each stored row
+is quantized as ``kv_quant.quantize`` does, and every key and value a query reads, its own chunk's
+included, is the dequantized stored row (gathered blocks dequantized to the query's dtype), as the
+compiled and Triton kernels read them in place. So a token's attention is the same whether its prefix
+was cached or computed in the same chunk."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import dequantize_pool, is_quantized, quantize
 from kernels.metadata import PagedAttentionMetadata
 
 
@@ -55,18 +62,25 @@ def store_kv(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_format: str = "auto",
 ) -> None:
-    """Write ``key``/``value`` ([num_tokens, kv_heads, head_dim]) into their slots, in place."""
-    num_blocks, block_size, kv_heads, head_dim = k_pool.shape
-    k_pool.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_pool.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    """Write ``key``/``value`` ([num_tokens, kv_heads, head_dim]) into their slots, in place (quantized
+    rows where the pool is)."""
+    num_blocks, block_size, kv_heads, width = k_pool.shape
+    if is_quantized(kv_format):
+        key, value = quantize(key, kv_format), quantize(value, kv_format)
+    k_pool.view(num_blocks * block_size, kv_heads, width).index_copy_(0, slot_mapping, key)
+    v_pool.view(num_blocks * block_size, kv_heads, width).index_copy_(0, slot_mapping, value)
 
 
-def _gather(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks ``block_ids`` ([..., n]) of ``pool`` as contiguous [..., n * block_size, kv_heads, d]."""
-    _, block_size, kv_heads, head_dim = pool.shape
+def _gather(pool: torch.Tensor, block_ids: torch.Tensor, kv_format: str = "auto",
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Blocks ``block_ids`` ([..., n]) of ``pool`` as contiguous [..., n * block_size, kv_heads, d]
+    (a quantized pool's rows dequantized to ``dtype``)."""
+    _, block_size, kv_heads, width = pool.shape
     out = pool.index_select(0, block_ids.reshape(-1))
-    return out.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim)
+    out = out.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, width)
+    return dequantize_pool(out, kv_format, dtype) if is_quantized(kv_format) else out
 
 
 def paged_decode_attention(
@@ -79,6 +93,7 @@ def paged_decode_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_format: str = "auto",
 ) -> torch.Tensor:
     """One query token per request ([batch, heads, d]) against its paged context -> [batch, heads, d]."""
     batch, num_heads, head_dim = query.shape
@@ -93,8 +108,8 @@ def paged_decode_attention(
     else:
         tables = block_tables[:, :num_blocks]
         positions = torch.arange(num_blocks * block_size, device=query.device)[None, :]
-    keys = _gather(k_pool, tables).transpose(1, 2)  # [batch, kv_heads, ctx, d]
-    values = _gather(v_pool, tables).transpose(1, 2)
+    keys = _gather(k_pool, tables, kv_format, query.dtype).transpose(1, 2)  # [batch, kv_heads, ctx, d]
+    values = _gather(v_pool, tables, kv_format, query.dtype).transpose(1, 2)
     visible = positions < seq_lens[:, None]
     if window:  # the query sits at seq_len - 1: it sees positions > seq_len - 1 - window
         visible &= positions >= seq_lens[:, None] - window
@@ -119,22 +134,25 @@ def paged_prefill_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_format: str = "auto",
 ) -> torch.Tensor:
     """Causal attention for prefill chunks ([tokens, heads, d], concatenated), each after an
-    optional cached prefix (read from the pool, where the chunk's own K/V were stored already)."""
+    optional cached prefix (read from the pool, where the chunk's own K/V were stored already; a
+    quantized pool is always read, so that the chunk sees its own keys as stored)."""
     out = torch.empty_like(query)
     block_size = k_pool.shape[1]
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         end = start + query_len
         skip = 0  # keys before the block of the chunk's lowest visible key are not read (stale pages)
-        if seq_len == query_len:
+        if seq_len == query_len and not is_quantized(kv_format):
             k, v = key[start:end], value[start:end]
         else:
             if window:
                 skip = max(0, seq_len - query_len + 1 - window) // block_size * block_size
             blocks = block_tables[i, skip // block_size: -(-seq_len // block_size)]
-            k, v = _gather(k_pool, blocks)[:seq_len - skip], _gather(v_pool, blocks)[:seq_len - skip]
+            k = _gather(k_pool, blocks, kv_format, query.dtype)[:seq_len - skip]
+            v = _gather(v_pool, blocks, kv_format, query.dtype)[:seq_len - skip]
         if window or softcap:
             out[start:end] = _windowed_attention(query[start:end], k, v, scale, window, softcap, skip)
         else:
@@ -207,29 +225,31 @@ def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
 class TorchAttentionBackend:
     name = "torch"
     supports_cascade = False
+    supports_quantized_kv = True  # the reference of the quantized pool (``kernels.kv_quant``)
     interpreted = False
     layer_ops = None  # the layers keep their plain torch ops
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float, window: int = 0,
                 softcap: float = 0.0) -> torch.Tensor:
-        store_kv(key, value, k_pool, v_pool, meta.slot_mapping)
+        fmt = meta.kv_format
+        store_kv(key, value, k_pool, v_pool, meta.slot_mapping, fmt)
         nd, num_seqs = meta.num_decodes, meta.num_seqs
         out = torch.empty_like(query)
         if nd:
-            block_size, kv_heads, head_dim = k_pool.shape[1:]
-            per_token = 2 * kv_heads * head_dim * k_pool.element_size()
+            block_size, kv_heads = k_pool.shape[1:3]
+            per_token = 2 * kv_heads * query.shape[-1] * query.element_size()
             blocks = [-(-n // block_size) * block_size for n in meta.context_lens[:nd]]
             for start, end, longest in decode_slices(blocks, per_token):
                 out[start:end] = paged_decode_attention(
                     query[start:end], k_pool, v_pool, meta.block_tables[start:end], meta.seq_lens[start:end],
-                    longest, scale, window, softcap,
+                    longest, scale, window, softcap, fmt,
                 )
             if nd == num_seqs:
                 return out
         out[nd:] = paged_prefill_attention(
             query[nd:], key[nd:], value[nd:], k_pool, v_pool, meta.query_lens[nd:], meta.context_lens[nd:],
-            meta.block_tables[nd:], scale, window, softcap,
+            meta.block_tables[nd:], scale, window, softcap, fmt,
         )
         return out
 

@@ -216,7 +216,7 @@ def _save_tokenizer(tokenizer: Tokenizer, out: Path, model_max_length: int) -> N
 
 
 @contextlib.contextmanager
-def _without_triton() -> Iterator[None]:
+def without_triton() -> Iterator[None]:
     """Hide Triton from what a build imports where this process cannot run it: a CPU-only torch and no
     Triton interpreter (``TRITON_INTERPRET=1``). transformers' model classes import torch._dynamo, which
     imports triton to see whether it is installed; building never uses it, and a process that imported it
@@ -257,7 +257,7 @@ def make_model(arch: str, preset: str, out: str | Path, seed: int = 0, dtype: st
     (e.g. "200KB") splits the weights into shards listed in `model.safetensors.index.json`.
     Raises ValueError for an unknown arch, preset or dtype and FileExistsError if `out` is a non-empty directory.
     """
-    with _without_triton():
+    with without_triton():
         return _make_model(arch, preset, out, seed, dtype, max_shard_size)
 
 

@@ -154,6 +154,7 @@ class Worker:
         spec = self.runner.kv_spec
         return {
             "kv_bytes_per_block_per_rank": spec.bytes_per_block,
+            "kv_cache_dtype": spec.kv_format,  # "auto" (the model's dtype) or the quantized format
             "kv_pool_bytes_per_rank": spec.bytes_per_block * getattr(self, "num_kv_blocks", 0),
             "num_host_kv_blocks": self.host_tier.num_slots if self.host_tier is not None else 0,
             "host_kv_bytes_per_rank": self.host_tier.num_bytes if self.host_tier is not None else 0,
