@@ -119,10 +119,13 @@ def test_store_writes_the_bytes_of_quantize(fmt, dtype):
     assert torch.equal(v_pool.view(8 * bs, -1)[untouched], before_v.view(8 * bs, -1)[untouched])
 
 
+# head sizes on the vector kernel (64, 128, 256) and on the scalar one (40 with 16 lanes, 36 with 8 or 16);
+# grouped-query ratios 4 (decodes on the row-vectorised path) and 2 (decodes on the few-rows path)
+SHAPES = [(hd, bs, 8, 2) for hd in (64, 128, 256, 40, 36) for bs in (16, 5)] + [(64, 16, 2, 1), (40, 5, 2, 1)]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256, 40, 36])  # 40 and 36: the scalar kernel (16 lanes; 36: 8)
-@pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("num_heads,kv_heads", [(8, 2), (2, 1)])
+@pytest.mark.parametrize("head_dim,block_size,num_heads,kv_heads", SHAPES)
 def test_attention_equals_format_0_on_the_dequantized_pool(fmt, head_dim, block_size, num_heads, kv_heads):
     pool = Pool(60, block_size, kv_heads, head_dim, seed=head_dim + block_size)
     specs, tables = mixed_batch(pool)
@@ -157,11 +160,11 @@ def test_attention_at_thread_counts(fmt, threads, head_dim):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("num_heads,kv_heads,head_dim", [(8, 2, 64), (8, 1, 40)])
 def test_shared_prefix_groups(fmt, num_heads, kv_heads, head_dim):
-    """Groups on the vector kernel (small) and through BLAS (604 shared tokens and 40 decodes plus two
-    prefill chunks: rows enough per KV head), then each member's suffix merged."""
+    """Groups on the vector kernel (small) and through BLAS (604 shared tokens, two key chunks of 512 and
+    92, and 12 decodes plus two prefill chunks: rows enough per KV head), then each member's suffix merged."""
     pool = Pool(1000, 4, kv_heads, head_dim, seed=3)
     rng = random.Random(7)
-    members = [(1, 604 + rng.randint(1, 36)) for _ in range(40)] + [(30, 640), (30, 700)]
+    members = [(1, 604 + rng.randint(1, 36)) for _ in range(12)] + [(5, 640), (6, 700)]
     specs, tables = shared_batch(pool, [(604, members), (40, [(1, 41), (2, 57)])], extra=[(5, 9), (1, 30)])
     cascade = plan_for(specs, tables, 4)
     assert cascade is not None and sorted(cascade.lens.tolist()) == [40, 604]
