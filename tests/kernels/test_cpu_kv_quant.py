@@ -17,6 +17,9 @@ from kernels.kv_quant import FORMAT_IDS, dequantize_pool, quantize
 from tests.compiled import cpu_backend_or_skip
 from tests.kernels.test_cpu_attention import Pool, plan_for, shared_batch
 from tests.kernels.window_cases import with_threads
+from tests.workers.test_models import checkpoint
+
+__all__ = ["checkpoint"]  # the module-scoped checkpoint fixture (test_decoder_stack_on_quantized_pools)
 
 CPU = cpu_backend_or_skip()
 FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8"]
@@ -267,3 +270,48 @@ def test_an_unknown_format_id_is_refused():
     with pytest.raises(RuntimeError, match="kv_format must be"):
         CPU.ops.paged_attention(torch.randn(1, 4, 64), torch.randn(1, 2, 64), torch.randn(1, 2, 64), k_pool,
                                 k_pool.clone(), *args, 1.0, False, 0, 0.0, 4)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
+def test_decoder_stack_on_quantized_pools(fmt, checkpoint):
+    """The whole Llama stack in one call (``decoder_stack``, which passes kv_format to each layer's
+    attention) against the same model layer by layer (the backend's ``forward``), both on quantized
+    pools: the same logits and the same pool bytes, to the bit, through prefill, decodes and a step
+    with a shared-prefix group."""
+    from kernels import CascadeGroups
+    from tests.workers.test_decoder_stack import _model
+    from tests.workers.test_models import BLOCK_SIZE, NUM_BLOCKS, Paging
+    from workers.models import kv_cache_shape
+
+    ckpt = checkpoint("llama")
+
+    def run(stack):
+        model = _model(ckpt, stack)
+        num_layers, kv_heads, head_dim, _ = kv_cache_shape(ckpt.hf_config, 1)
+        pools = [tuple(torch.zeros(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim + 2, dtype=torch.uint8) for _ in "kv")
+                 for _ in range(num_layers)]
+        paging, logits = Paging(), []
+
+        def step(*chunks, groups=None):
+            ids, positions, meta = paging.step(list(chunks))
+            meta.backend, meta.cascade, meta.kv_format = CPU, groups, fmt
+            logits.append(model.compute_logits(model(ids, positions, pools, meta)))
+
+        step(("A", 0, 37), ("B", 0, 13))
+        for p in range(37, 40):
+            step(("A", p, 1))
+        paging.share_prefix("C", "A", 16)
+        shared = torch.tensor([paging.tables["A"][:2]], dtype=torch.int32)
+        int32 = dict(dtype=torch.int32)
+        step(("A", 40, 1), ("B", 13, 1), ("C", 16, 7),
+             groups=CascadeGroups(torch.tensor([16, 0, 16], **int32), shared, torch.tensor([16], **int32),
+                                  torch.tensor([0, 2], **int32), torch.tensor([0, 2], **int32)))
+        return logits, pools
+
+    with torch.inference_mode():
+        (stacked, stacked_pools), (layered, layered_pools) = run(True), run(False)
+    for got, want in zip(stacked, layered, strict=True):
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+    for got, want in zip(stacked_pools, layered_pools, strict=True):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert any(bool(p[0].any()) for p in stacked_pools)
