@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import FORMAT_IDS
 from kernels.metadata import PagedAttentionMetadata
 from kernels.cpu.layer_ops import CpuLayerOps
 
@@ -18,6 +19,8 @@ class CpuAttentionBackend:
     supports_cascade = True
     interpreted = False
     supports_deterministic = True  # fixed-order attention and linear layers (``meta.deterministic``)
+    # quantized pools (``meta.kv_format``, ``kernels.kv_quant``): the store quantizes, the attention dequantizes
+    supports_quantized_kv = True
 
     def __init__(self, ops) -> None:
         self.ops = ops  # torch.ops.kvserve_cpu
@@ -38,4 +41,4 @@ class CpuAttentionBackend:
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float, window: int = 0,
                 softcap: float = 0.0) -> torch.Tensor:
         return self._attend(query, key, value, k_pool, v_pool, *self.metadata_args(meta), scale, meta.deterministic,
-                            window, softcap)
+                            window, softcap, FORMAT_IDS[meta.kv_format])

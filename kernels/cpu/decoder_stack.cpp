@@ -9,7 +9,8 @@
 // goes is the Python and dispatcher work between them: about 100 us per layer per step. Each op
 // keeps its profiler scope under its own name, so a profile splits the stack as it splits the layers.
 // fixed_order (the engine's deterministic mode): the fixed-order linear and attention orders, as the
-// layers bound in that mode run them.
+// layers bound in that mode run them. kv_format: the pools' format, passed to every layer's attention
+// (0: the model's dtype; 1 .. 3: quantized, kv_quant.h).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
@@ -45,7 +46,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
                          const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                          const at::Tensor& group_member_start, const at::Tensor& group_members, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool fixed_order,
-                         at::TensorList qk_norms) {
+                         at::TensorList qk_norms, int64_t kv_format) {
   const int64_t layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
               "decoder_stack takes ", kPerLayer, " weight tensors per layer");
@@ -87,7 +88,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
       attn = kvserve::paged_attention(
           q.view({t, num_heads, head_dim}), k.view({t, num_kv_heads, head_dim}), v.view({t, num_kv_heads, head_dim}),
           k_pool, v_pool, slot_mapping, block_tables, query_start_loc, seq_lens, kv_starts, group_block_tables,
-          group_lens, group_member_start, group_members, scale, fixed_order);
+          group_lens, group_member_start, group_members, scale, fixed_order, 0, 0.0, kv_format);
     }
     h = stack_linear(attn.view({t, q_width}), w[3], w[4], fixed_order);
     {

@@ -6,9 +6,13 @@
 // speed where the vector kernel of paged_attention.cpp runs at about half of it on large groups.
 // float32 only (sgemm), never in fixed order (BLAS's blocking is its own); the caller falls back to
 // the vector kernel otherwise.
+// A quantized pool (kv_quant.h) keeps BLAS: the gather that copies a chunk's keys and values into the
+// scratch dequantizes them instead (code * scale, float32), so the products run on the same values
+// the vector kernel reads.
 
 #include "group_attention.h"
 
+#include "kv_quant.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -64,15 +68,20 @@ void attend_group_blas(const GroupAttention& p, int kv_head, const int32_t* toke
     const float* src = p.query + tokens[r / g] * p.q_tok_stride + (kv_head * g + r % g) * p.q_head_stride;
     for (int k = 0; k < d; ++k) q[r * d + k] = src[k] * p.scale;
   }
-  const int64_t head_offset = static_cast<int64_t>(kv_head) * d;
+  const int64_t head_offset = static_cast<int64_t>(kv_head) * p.row_width;
   for (int c0 = 0; c0 < num_keys; c0 += chunk) {
     const int n = std::min(chunk, num_keys - c0);
     for (int j = 0; j < n; ++j) {
       const int pos = c0 + j;
       const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_stride +
                            static_cast<int64_t>(pos % p.block_size) * p.slot_stride + head_offset;
-      std::memcpy(sc.k.data() + static_cast<size_t>(j) * d, p.k_pool + slot, sizeof(float) * d);
-      std::memcpy(sc.v.data() + static_cast<size_t>(j) * d, p.v_pool + slot, sizeof(float) * d);
+      if (p.k_codes) {
+        dequantize_row(p.k_codes + slot, d, p.code_table, sc.k.data() + static_cast<size_t>(j) * d);
+        dequantize_row(p.v_codes + slot, d, p.code_table, sc.v.data() + static_cast<size_t>(j) * d);
+      } else {
+        std::memcpy(sc.k.data() + static_cast<size_t>(j) * d, p.k_pool + slot, sizeof(float) * d);
+        std::memcpy(sc.v.data() + static_cast<size_t>(j) * d, p.v_pool + slot, sizeof(float) * d);
+      }
     }
     gemm_abt(q, sc.k.data(), s, rows, n, d, chunk);
     for (int r = 0; r < rows; ++r) {

@@ -14,8 +14,12 @@ constexpr int kGroupMinRows = 64;     // a group with fewer rows per KV head tak
 struct GroupAttention {
   const float* query;
   int64_t q_tok_stride, q_head_stride;
-  const float* k_pool;
+  const float* k_pool;  // float32 pools (format 0), else null
   const float* v_pool;
+  const uint8_t* k_codes;   // quantized pools (kv_quant.h), else null
+  const uint8_t* v_codes;
+  const float* code_table;  // the quantized format's value of each code
+  int row_width;            // pool elements per (token, KV head) row: head_dim, or head_dim + 2 bytes
   int64_t block_stride, slot_stride;
   int block_size, group_size, head_dim, num_heads;
   float* out;

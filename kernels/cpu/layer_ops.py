@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import FORMAT_IDS
+
 
 class CpuLayerOps:
     def __init__(self, ops, attention_args) -> None:
@@ -67,7 +69,8 @@ class DecoderStack:
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
         """hidden: the embedded tokens [T, hidden] (updated in place as the residual stream) -> the
-        final norm's output. ``meta.deterministic`` runs the fixed-order linear and attention."""
+        final norm's output. ``meta.deterministic`` runs the fixed-order linear and attention;
+        ``meta.kv_format`` names the pools' format (a quantized pool is written and read as its codes)."""
         return self.op(hidden, positions, self.weights, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
                        self.cos_sin_cache, self.final_norm, *self.attention_args(meta), *self.shape,
-                       meta.deterministic, self.qk_norms)
+                       meta.deterministic, self.qk_norms, FORMAT_IDS[meta.kv_format])

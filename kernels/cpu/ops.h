@@ -41,13 +41,14 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
 std::vector<int64_t> bind_threads(std::vector<int64_t> cores);
 std::vector<int64_t> thread_cores(int64_t n);
 
-// paged_attention.cpp
+// paged_attention.cpp (kv_format: 0, the pools in the model's dtype; 1 .. 3, quantized: kv_quant.h)
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool,
                            at::Tensor& v_pool, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
                            const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                            const at::Tensor& group_member_start, const at::Tensor& group_members, double scale,
-                           bool fixed_order = false, int64_t window = 0, double softcap = 0.0);
+                           bool fixed_order = false, int64_t window = 0, double softcap = 0.0,
+                           int64_t kv_format = 0);
 
 // decoder_stack.cpp
 at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& positions, at::TensorList weights,
@@ -57,6 +58,6 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
                          const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                          const at::Tensor& group_member_start, const at::Tensor& group_members, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool fixed_order,
-                         at::TensorList qk_norms);
+                         at::TensorList qk_norms, int64_t kv_format = 0);
 
 }  // namespace kvserve

@@ -36,6 +36,18 @@
 // Soft-capping (softcap > 0, Gemma 2): every score s (already scaled) becomes softcap * tanh(s / softcap)
 // before the mask and the softmax. Groups whose rows do not all see every shared key, and any group
 // under soft-capping, take the vector kernel rather than BLAS (group_attention.cpp has neither).
+//
+// Quantized pools (kv_format 1 .. 3, kv_quant.h; kernels/kv_quant.py is the format): the pools are uint8
+// [blocks, block_size, kv_heads, head_dim + 2] and query/key/value float32, bfloat16 or float16. The
+// store quantizes each (token, KV head) row on its own (kv_quant.h's quantize_row: the bytes of
+// kv_quant.quantize). Every key and value the attention reads, the step's own tokens included (read
+// back from the pool after the store, as always), is dequantized to float32 (code * scale) where the
+// half types convert theirs today: the vector kernel dequantizes each 32-key tile of the KV head into
+// its per-thread scratch (Scratch::kv), the scalar kernel one key row at a time, the BLAS group pass
+// each chunk of keys as it gathers it; the float math after that is the one of format 0, on the same
+// paths (decode and prefill rows, fixed order, window, soft-cap, groups and the suffix merge). So the
+// output is that of format 0 over the dequantized pool in float32, to the bit for a float32 query.
+// Format 0 takes the same code as before (the pool read in place), behind one branch per key row.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
@@ -45,6 +57,7 @@
 #include <c10/util/Half.h>
 
 #include "group_attention.h"
+#include "kv_quant.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -75,9 +88,14 @@ template <typename scalar_t>
 struct Problem {
   const scalar_t* query;
   int64_t q_tok_stride, q_head_stride;
-  const scalar_t* k_pool;
+  const scalar_t* k_pool;  // format 0 (null for a quantized pool)
   const scalar_t* v_pool;
-  int64_t block_stride, slot_stride;  // pool strides: per block, per slot (kv_heads * head_dim)
+  const uint8_t* k_codes;  // a quantized pool (kv_format > 0; else null): rows of row_width bytes
+  const uint8_t* v_codes;
+  const float* code_table;  // the format's value of each code (kv_code_table)
+  int kv_format;            // 0: the pool holds scalar_t; 1 .. 3: kv_quant.h
+  int row_width;            // pool elements per (token, KV head) row: head_dim, or head_dim + 2 bytes
+  int64_t block_stride, slot_stride;  // pool strides: per block, per slot (kv_heads * row_width)
   int block_size, num_kv_heads, group_size, head_dim, num_heads;
   int64_t num_tokens;
   scalar_t* out;
@@ -257,8 +275,12 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
 
   const float* kf[kKeyTile];
   const float* vf_[kKeyTile];
-  const int64_t head_offset = static_cast<int64_t>(kv_head) * d;
-  const int64_t row_bytes = static_cast<int64_t>(d) * sizeof(scalar_t);
+  const int64_t head_offset = static_cast<int64_t>(kv_head) * p.row_width;
+  const bool quantized = p.kv_format != 0;
+  const int64_t row_bytes = quantized ? d + kKvScaleBytes : static_cast<int64_t>(d) * sizeof(scalar_t);
+  const char* k_base = quantized ? reinterpret_cast<const char*>(p.k_codes) : reinterpret_cast<const char*>(p.k_pool);
+  const char* v_base = quantized ? reinterpret_cast<const char*>(p.v_codes) : reinterpret_cast<const char*>(p.v_pool);
+  const int64_t elem_bytes = quantized ? 1 : sizeof(scalar_t);
   int64_t slots_a[kKeyTile], slots_b[kKeyTile];
   int64_t* slots = slots_a;  // this tile's
   int64_t* next_slots = slots_b;  // the next tile's, found while this one is computed
@@ -270,8 +292,8 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     const int next_n = std::min(kKeyTile, kv_end - start - kKeyTile);
     tile_slots(p, table, start + kKeyTile, next_n, head_offset, next_slots);
     for (int j = 0; j < next_n; ++j) {
-      const char* kr = reinterpret_cast<const char*>(p.k_pool + next_slots[j]);
-      const char* vr = reinterpret_cast<const char*>(p.v_pool + next_slots[j]);
+      const char* kr = k_base + next_slots[j] * elem_bytes;
+      const char* vr = v_base + next_slots[j] * elem_bytes;
       for (int64_t line = 0; line < row_bytes; line += 64) {
         __builtin_prefetch(kr + line);
         __builtin_prefetch(vr + line);
@@ -283,7 +305,14 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
         kf[j] = vf_[j] = sc.zeros.data();
         continue;
       }
-      if constexpr (std::is_same_v<scalar_t, float>) {
+      if (quantized) {  // the tile's rows of this KV head, dequantized into the scratch
+        float* kd = sc.kv.data() + j * d;
+        float* vd = sc.kv.data() + (kKeyTile + j) * d;
+        dequantize_row(p.k_codes + slot, d, p.code_table, kd);
+        dequantize_row(p.v_codes + slot, d, p.code_table, vd);
+        kf[j] = kd;
+        vf_[j] = vd;
+      } else if constexpr (std::is_same_v<scalar_t, float>) {
         kf[j] = p.k_pool + slot;
         vf_[j] = p.v_pool + slot;
       } else {
@@ -449,6 +478,7 @@ void attend_scalar(const Problem<scalar_t>& p, int kv_head, const int32_t* token
                    bool write_lse) {
   const int d = p.head_dim, g = p.group_size;
   std::vector<float> q(d), acc(d);
+  std::vector<float> kq(p.kv_format ? d : 0), vq(p.kv_format ? d : 0);  // a quantized key and value row
   for (int i = 0; i < num_tokens; ++i) {
     const int tok = tokens[i];
     for (int h = kv_head * g; h < (kv_head + 1) * g; ++h) {
@@ -463,18 +493,28 @@ void attend_scalar(const Problem<scalar_t>& p, int kv_head, const int32_t* token
       } else {
         std::fill(acc.begin(), acc.end(), 0.0f);
       }
-      for (int pos = std::max(kv_begin, lowers[i]); pos < limits[i]; ++pos) {
-        const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_stride +
-                             static_cast<int64_t>(pos % p.block_size) * p.slot_stride +
-                             static_cast<int64_t>(kv_head) * d;
+      // one key: its score and the online-softmax update, the key and value rows read through kr, vr
+      auto step = [&](auto kr, auto vr) {
         float score = 0.0f;
-        for (int k = 0; k < d; ++k) score += q[k] * to_float(p.k_pool[slot + k]);
+        for (int k = 0; k < d; ++k) score += q[k] * to_float(kr[k]);
         if (p.softcap > 0.0f) score = p.softcap * std::tanh(score / p.softcap);
         const float mx = std::max(m, score);
         const float alpha = std::exp(m - mx), e = std::exp(score - mx);
         l = l * alpha + e;
-        for (int k = 0; k < d; ++k) acc[k] = acc[k] * alpha + e * to_float(p.v_pool[slot + k]);
+        for (int k = 0; k < d; ++k) acc[k] = acc[k] * alpha + e * to_float(vr[k]);
         m = mx;
+      };
+      for (int pos = std::max(kv_begin, lowers[i]); pos < limits[i]; ++pos) {
+        const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_stride +
+                             static_cast<int64_t>(pos % p.block_size) * p.slot_stride +
+                             static_cast<int64_t>(kv_head) * p.row_width;
+        if (p.kv_format) {
+          dequantize_row(p.k_codes + slot, d, p.code_table, kq.data());
+          dequantize_row(p.v_codes + slot, d, p.code_table, vq.data());
+          step(static_cast<const float*>(kq.data()), static_cast<const float*>(vq.data()));
+        } else {
+          step(p.k_pool + slot, p.v_pool + slot);
+        }
       }
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw no key (a window past a group's keys)
       for (int k = 0; k < d; ++k) o[k] = static_cast<scalar_t>(acc[k] * inv);
@@ -529,9 +569,9 @@ void run_group_blas(const Problem<scalar_t>& p, std::vector<Item>& items, const 
     const int64_t n = static_cast<int64_t>(items.size());
     if (n == 0) return;
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-    const GroupAttention gp{p.query, p.q_tok_stride, p.q_head_stride, p.k_pool, p.v_pool, p.block_stride,
-                            p.slot_stride, p.block_size, p.group_size, p.head_dim, p.num_heads, p.out,
-                            p.out_tok_stride, p.lse, p.scale};
+    const GroupAttention gp{p.query, p.q_tok_stride, p.q_head_stride, p.k_pool, p.v_pool, p.k_codes, p.v_codes,
+                            p.code_table, p.row_width, p.block_stride, p.slot_stride, p.block_size, p.group_size,
+                            p.head_dim, p.num_heads, p.out, p.out_tok_stride, p.lse, p.scale};
     std::atomic<int64_t> next{0};
     const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
     // inside the parallel region BLAS runs on the calling thread only (MKL does not nest its threads)
@@ -727,18 +767,51 @@ void store_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   }
 }
 
+// The same into a quantized pool (uint8 [blocks, block_size, kv_heads, head_dim + 2]): each (token, KV
+// head) row quantized on its own (kv_quant.h), tokens split across threads (a row's bytes depend on
+// that row alone, so the split changes nothing).
+template <typename scalar_t>
+void store_kv_quantized_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool, at::Tensor& v_pool,
+                             const at::Tensor& slot_mapping, int fmt) {
+  const int64_t tokens = key.size(0), kv_heads = key.size(1);
+  const int d = static_cast<int>(key.size(2));
+  const int64_t row = d + kKvScaleBytes, slot_stride = kv_heads * row;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const scalar_t* k = key.data_ptr<scalar_t>();
+  const scalar_t* v = value.data_ptr<scalar_t>();
+  uint8_t* kp = k_pool.data_ptr<uint8_t>();
+  uint8_t* vp = v_pool.data_ptr<uint8_t>();
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, kv_heads * d));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        quantize_row(k + t * key.stride(0) + h * key.stride(1), d, fmt, kp + slots[t] * slot_stride + h * row);
+        quantize_row(v + t * value.stride(0) + h * value.stride(1), d, fmt, vp + slots[t] * slot_stride + h * row);
+      }
+  });
+}
+
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool, at::Tensor& v_pool,
-              const at::Tensor& slot_mapping) {
+              const at::Tensor& slot_mapping, int kv_format) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [tokens, kv_heads, head_dim]");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value need a contiguous last axis");
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "the KV pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(k_pool.size(2) == key.size(1) && k_pool.size(3) == key.size(2), "key does not match the pool");
+  const int64_t width = key.size(2) + (kv_format ? kKvScaleBytes : 0);
+  TORCH_CHECK(k_pool.size(2) == key.size(1) && k_pool.size(3) == width, "key does not match the pool");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == key.size(0),
               "slot_mapping must be contiguous int64 with one slot per token");
-  TORCH_CHECK(key.scalar_type() == k_pool.scalar_type() && value.scalar_type() == v_pool.scalar_type(),
-              "K/V and the pools must share a dtype");
+  if (kv_format) {
+    TORCH_CHECK(k_pool.scalar_type() == at::kByte && v_pool.scalar_type() == at::kByte &&
+                    value.scalar_type() == key.scalar_type() &&
+                    (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16 ||
+                     key.scalar_type() == at::kHalf),
+                "a quantized KV pool is uint8 and its K/V float32, bfloat16 or float16 (one dtype)");
+  } else {
+    TORCH_CHECK(key.scalar_type() == k_pool.scalar_type() && value.scalar_type() == v_pool.scalar_type(),
+                "K/V and the pools must share a dtype");
+  }
   TORCH_CHECK(v_pool.sizes() == k_pool.sizes(), "the K and V pools must have one shape");
   // every slot checked before any is written: a bad slot fails the call and leaves the pool as it was
   const int64_t num_slots = k_pool.size(0) * k_pool.size(1);
@@ -746,6 +819,12 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool
   for (int64_t t = 0; t < slot_mapping.numel(); ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
                 " is outside the pool's ", num_slots, " slots");
+  if (kv_format) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "kvserve_store_kv", [&] {
+      store_kv_quantized_impl<scalar_t>(key, value, k_pool, v_pool, slot_mapping, kv_format);
+    });
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "kvserve_store_kv", [&] {
     store_kv_impl<scalar_t>(key, value, k_pool, v_pool, slot_mapping);
   });
@@ -756,12 +835,25 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool
 void check_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& kv_starts, const at::Tensor& group_block_tables, const at::Tensor& group_lens,
-                     const at::Tensor& group_member_start, const at::Tensor& group_members) {
+                     const at::Tensor& group_member_start, const at::Tensor& group_members, int64_t kv_format) {
+  TORCH_CHECK(kv_format >= 0 && kv_format < kKvFormats, "kv_format must be 0 (the model's dtype), 1 (fp8_e4m3), ",
+              "2 (fp8_e5m2) or 3 (int8), got ", kv_format);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim], last axis contiguous");
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes(),
               "the KV pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(query.scalar_type() == k_pool.scalar_type(), "query and the pools must share a dtype");
-  TORCH_CHECK(query.size(2) == k_pool.size(3), "query and pool head_dim differ");
+  if (kv_format) {
+    TORCH_CHECK(k_pool.scalar_type() == at::kByte && v_pool.scalar_type() == at::kByte &&
+                    k_pool.size(3) == query.size(2) + kKvScaleBytes,
+                "a quantized KV pool (kv_format ", kv_format, ") must be uint8 [blocks, block_size, kv_heads, ",
+                "head_dim + 2] (head_dim ", query.size(2), ": a last dimension of ", query.size(2) + kKvScaleBytes,
+                "), got ", k_pool.scalar_type(), " with a last dimension of ", k_pool.size(3));
+    TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
+                    query.scalar_type() == at::kHalf,
+                "with a quantized KV pool, query must be float32, bfloat16 or float16, got ", query.scalar_type());
+  } else {
+    TORCH_CHECK(query.scalar_type() == k_pool.scalar_type(), "query and the pools must share a dtype");
+    TORCH_CHECK(query.size(2) == k_pool.size(3), "query and pool head_dim differ");
+  }
   TORCH_CHECK(query.size(1) % k_pool.size(2) == 0, "query heads must be a multiple of KV heads");
   check_int32(block_tables, "block_tables");
   check_int32(query_start_loc, "query_start_loc");
@@ -782,7 +874,7 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& kv_starts, const at::Tensor& group_block_tables,
                          const at::Tensor& group_lens, const at::Tensor& group_member_start,
                          const at::Tensor& group_members, double scale, bool fixed_order, int64_t window,
-                         double softcap) {
+                         double softcap, int64_t kv_format) {
   TORCH_CHECK(window >= 0 && window <= std::numeric_limits<int32_t>::max(), "window must be >= 0, got ", window);
   TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "softcap must be finite and >= 0, got ", softcap);
   const int64_t tokens = query.size(0), heads = query.size(1);
@@ -794,11 +886,17 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
     p.query = query.data_ptr<scalar_t>();
     p.q_tok_stride = query.stride(0);
     p.q_head_stride = query.stride(1);
-    p.k_pool = k_pool.data_ptr<scalar_t>();
-    p.v_pool = v_pool.data_ptr<scalar_t>();
+    p.kv_format = static_cast<int>(kv_format);
+    const bool quantized = kv_format != 0;
+    p.k_pool = quantized ? nullptr : k_pool.data_ptr<scalar_t>();
+    p.v_pool = quantized ? nullptr : v_pool.data_ptr<scalar_t>();
+    p.k_codes = quantized ? k_pool.data_ptr<uint8_t>() : nullptr;
+    p.v_codes = quantized ? v_pool.data_ptr<uint8_t>() : nullptr;
+    p.code_table = quantized ? kv_code_table(p.kv_format) : nullptr;
     p.block_size = static_cast<int>(k_pool.size(1));
     p.num_kv_heads = static_cast<int>(k_pool.size(2));
-    p.head_dim = static_cast<int>(k_pool.size(3));
+    p.head_dim = static_cast<int>(query.size(2));
+    p.row_width = static_cast<int>(k_pool.size(3));
     p.block_stride = k_pool.stride(0);
     p.slot_stride = k_pool.stride(1);
     p.num_heads = static_cast<int>(heads);
@@ -836,14 +934,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
                            const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                            const at::Tensor& group_member_start, const at::Tensor& group_members, double scale,
-                           bool fixed_order, int64_t window, double softcap) {
+                           bool fixed_order, int64_t window, double softcap, int64_t kv_format) {
   check_attention(query, k_pool, v_pool, block_tables, query_start_loc, seq_lens, kv_starts, group_block_tables,
-                  group_lens, group_member_start, group_members);
-  store_kv(key, value, k_pool, v_pool, slot_mapping);
+                  group_lens, group_member_start, group_members, kv_format);
+  store_kv(key, value, k_pool, v_pool, slot_mapping, static_cast<int>(kv_format));
   at::Tensor out = at::empty(query.sizes(), query.options());
   paged_attention_out(out, query, k_pool, v_pool, block_tables, query_start_loc, seq_lens, kv_starts,
                       group_block_tables, group_lens, group_member_start, group_members, scale, fixed_order, window,
-                      softcap);
+                      softcap, kv_format);
   return out;
 }
 
