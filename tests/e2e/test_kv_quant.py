@@ -18,7 +18,7 @@ from workers.kv_pool import KVPoolSpec
 
 ARCH = "llama"
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "cpu")
 # The largest |logprob - HF's| of a scored token: `kvserve bench-kv-quant --model <llama tiny>
 # --parts accuracy --accuracy-requests 8 --output-len 16` measured 0.188 (fp8_e4m3), 0.353 (fp8_e5m2)
 # and 0.041 (int8) over 6,196 positions on this checkpoint; the bound is 1.5x that. auto stays at
@@ -117,7 +117,7 @@ def test_a_prefix_hit_and_preemption_give_the_tokens_of_a_fresh_computation(llam
 def test_the_host_tier_holds_the_quantized_bytes(llama, prompts):
     """A block evicted to the host tier and restored is the same uint8 block: the restored request's
     tokens are the first run's."""
-    with LLM(model=llama, kv_cache_dtype="fp8_e4m3", attention_backend="torch", block_size=16, num_kv_blocks=24,
+    with LLM(model=llama, kv_cache_dtype="fp8_e4m3", attention_backend="cpu", block_size=16, num_kv_blocks=24,
              max_model_len=352, num_host_kv_blocks=64) as llm:
         first = llm.generate({"prompt_token_ids": prompts[3]}, GREEDY)[0].outputs[0].token_ids
         llm.generate({"prompt_token_ids": prompts[4][-330:]}, GREEDY)  # evicts the first prompt's blocks
@@ -145,3 +145,20 @@ def test_the_setting_is_checked(llama):
         LLM(model=llama, kv_cache_dtype="nf4")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         build_app({"model": llama, "engine_kwargs": {"kv_cache_dtype": "fp4"}})
+
+
+@pytest.mark.parametrize("fmt", ("fp8_e4m3", "int8"))
+def test_deterministic_mode_stays_bitwise_invariant(llama, fmt):
+    """With ``deterministic=True`` and a quantized pool, a greedy request's tokens and logprobs are the
+    same to the bit alone, among 24 others in 32-token chunks, and with its prefix from the cache:
+    a token's stored bytes depend on that token alone."""
+    from tests.e2e.test_deterministic import run_with_others, target_prompt
+
+    prompt = target_prompt()
+    settings = dict(model=llama, attention_backend="cpu", deterministic=True, kv_cache_dtype=fmt)
+    with LLM(**settings, enable_prefix_caching=False) as llm:
+        alone, _ = run_with_others(llm, prompt, 0, 0)
+    with LLM(**settings, max_num_batched_tokens=32) as llm:
+        assert run_with_others(llm, prompt, 24, seed=5)[0] == alone
+        warm, out = run_with_others(llm, prompt, 3, seed=6)
+        assert out.num_cached_tokens >= 128 and warm == alone
