@@ -39,6 +39,8 @@ def add_profile_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "cpu"))
     parser.add_argument("--no-cascade", action="store_true", help="turn shared-prefix attention off")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
+                        help="the KV pool's format")
 
 
 class _Timers:
@@ -120,7 +122,7 @@ def _fma_peak() -> float | None:
 
 def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, shared_prefix: int = 512,
                  steps: int = 20, threads: int = 2, block_size: int = 16, attention_backend: str = "auto",
-                 cascade: bool = True) -> dict:
+                 cascade: bool = True, kv_cache_dtype: str = "auto") -> dict:
     from engine import LLM, SamplingParams
     from engine.sampling_params import RequestOutputKind
 
@@ -131,7 +133,8 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 16, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
     with LLM(model=model, max_num_seqs=num_seqs, block_size=block_size, attention_backend=attention_backend,
-             cascade_attention=cascade, max_model_len=prompt_len + params.max_tokens + block_size) as llm:
+             cascade_attention=cascade, max_model_len=prompt_len + params.max_tokens + block_size,
+             kv_cache_dtype=kv_cache_dtype) as llm:
         core = llm.core
         for i in range(num_seqs):
             own = [rng.randrange(5, vocab_hi) for _ in range(max(1, prompt_len - len(prefix)))]
@@ -174,6 +177,7 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
     return {
         "model": model, "num_seqs": num_seqs, "prompt_len": prompt_len, "shared_prefix": shared_prefix,
         "threads": threads, "block_size": block_size, "attention_backend": backend, "cascade": cascade,
+        "kv_cache_dtype": kv_cache_dtype,
         "cascade_steps": cascade_steps, "steps": steps, "step_ms": step_ms,
         "tokens_per_s": num_seqs / (step_ms / 1000), "phases_ms": phases, "forward_ops_ms": split,
         "profiled_op_s": op_total, "matmul_flops": matmul_flops, "fma_peak_per_core": _fma_peak(),
@@ -184,7 +188,8 @@ def format_profile(result: dict) -> str:
     step = result["step_ms"]
     lines = [
         f"{result['num_seqs']} sequences decoding, {result['prompt_len']}-token prompts ({result['shared_prefix']} "
-        f"shared), {result['threads']} threads, attention backend {result['attention_backend']}"
+        f"shared), {result['threads']} threads, attention backend {result['attention_backend']}, KV "
+        f"{result.get('kv_cache_dtype', 'auto')}"
         f"{'' if result['cascade'] else ', no shared-prefix attention'}",
         f"decode step {step:.2f} ms = {result['tokens_per_s']:.0f} tok/s",
         "",
@@ -215,6 +220,6 @@ def run_profile_step(args: argparse.Namespace) -> int:
     result = profile_step(args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len,
                           shared_prefix=args.shared_prefix, steps=args.steps, threads=args.threads,
                           block_size=args.block_size, attention_backend=args.attention_backend,
-                          cascade=not args.no_cascade)
+                          cascade=not args.no_cascade, kv_cache_dtype=args.kv_cache_dtype)
     print(format_profile(result))
     return 0

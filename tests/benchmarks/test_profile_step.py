@@ -7,10 +7,10 @@ import pytest
 from benchmarks.profile_step import PHASES, format_profile, profile_step
 
 
-@pytest.mark.parametrize("backend,cascade", [("cpu", True), ("torch", False)])
-def test_profile_step_accounts_for_the_step(model_dirs, backend, cascade):
+@pytest.mark.parametrize("backend,cascade,kv", [("cpu", True, "auto"), ("torch", False, "auto"), ("cpu", True, "int8")])
+def test_profile_step_accounts_for_the_step(model_dirs, backend, cascade, kv):
     result = profile_step(model_dirs["llama"], num_seqs=6, prompt_len=70, shared_prefix=48, steps=4, threads=1,
-                          block_size=8, attention_backend=backend, cascade=cascade)
+                          block_size=8, attention_backend=backend, cascade=cascade, kv_cache_dtype=kv)
     phases = result["phases_ms"]
     assert set(phases) == {*PHASES, "other"}
     assert all(phases[p] > 0 for p in PHASES)
@@ -23,4 +23,4 @@ def test_profile_step_accounts_for_the_step(model_dirs, backend, cascade):
     # six sequences share 48 tokens: every profiled step (and the steps before them) attends them once
     assert (result["cascade_steps"] >= 8) == cascade
     text = format_profile(result)
-    assert "outside the matrix products" in text and f"attention backend {backend}" in text
+    assert "outside the matrix products" in text and f"attention backend {backend}, KV {kv}" in text
