@@ -21,6 +21,14 @@ starts at the key tile holding its first query's lowest visible key; skipped til
 zeros, so deterministic mode keeps its bits; the keys below the first query's window in that tile are
 not loaded, since a hybrid KV layout's window table may name a stale page there), and ``softcap`` > 0 maps each scaled score s to
 softcap * tanh(s / softcap) (tanh through exp(-2|x|), which cannot overflow) before the mask.
+
+Quantized pools (``kv_cache_dtype``, ``kernels.kv_quant``: uint8 rows of ``head_dim`` codes and a bfloat16
+scale) are the constexpr ``KV_FORMAT`` (format 0, the model's dtype, compiles as before): the store
+quantizes each (token, head) row in the kernel to exactly ``kernels.kv_quant.quantize``'s bytes, and the
+attention loads each key/value tile's codes and scales from the pool in place (no dequantized copy),
+dequantizes them in registers to float32 (a code times its scale: exact), and goes on as for format 0 —
+tl.dot on them in the query's dtype (a no-op for float32), the sums path in float32. The new tokens of
+the step are read back from the pool like the rest, so every key and value is the stored value.
 """
 
 from __future__ import annotations
@@ -197,7 +205,7 @@ def _load_quantized(row_ptr, dims, mask, row_mask, HEAD_DIM: tl.constexpr, KV_FO
 
 
 @triton.jit
-def _quantize_rows(x, dims, HEAD_DIM: tl.constexpr, KV_FORMAT: tl.constexpr):
+def _quantize_rows(x, KV_FORMAT: tl.constexpr):
     """float32 rows x [R, HEAD_P2] (padding 0) -> (codes [R, HEAD_P2] int32 in 0..255, scale bits [R] int32,
     a bfloat16's), exactly ``kernels.kv_quant.quantize``: scale = bf16_rne(amax / qmax) (1 for a row of
     zeros), codes = rne(clamp(x / scale, -qmax, qmax)) in the format. The divisions are IEEE (div_rn: Triton's
@@ -296,8 +304,8 @@ def _store_kv_kernel(
         row_mask = (heads < kv_heads) & ((tl.zeros([HEADS_P2], tl.int64) + slot) >= 0)
         k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
         v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
-        k_codes, k_scale = _quantize_rows(k.to(tl.float32), dims, HEAD_DIM, KV_FORMAT)
-        v_codes, v_scale = _quantize_rows(v.to(tl.float32), dims, HEAD_DIM, KV_FORMAT)
+        k_codes, k_scale = _quantize_rows(k.to(tl.float32), KV_FORMAT)
+        v_codes, v_scale = _quantize_rows(v.to(tl.float32), KV_FORMAT)
         k_row = k_pool_ptr + block * stride_pkb + within * stride_pks + heads * stride_pkh  # [HEADS_P2]
         v_row = v_pool_ptr + block * stride_pvb + within * stride_pvs + heads * stride_pvh
         tl.store(k_row[:, None] + dims[None, :], k_codes.to(tl.uint8), mask=mask)
