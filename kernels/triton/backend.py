@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import FORMAT_IDS
 from kernels.metadata import PagedAttentionMetadata
 from kernels.triton import ops
 from kernels.triton.linear import linear_batch_invariant
@@ -66,6 +67,7 @@ class AttentionShape:
     max_decodes: int  # the most decode rows one step holds (max_num_seqs, within the token budget)
     max_model_len: int
     deterministic: bool = False
+    kv_format: str = "auto"  # the pool's format (``kernels.kv_quant``): a quantized one is its own variants
 
 
 class TritonAttentionBackend:
@@ -84,6 +86,9 @@ class TritonAttentionBackend:
     supports_cascade = False
     supports_deterministic = True
     supports_graphs = True  # every length is read from device memory (``workers.cuda_graphs``)
+    # quantized pools (``meta.kv_format``, ``kernels.kv_quant``): the store quantizes each row in the kernel, the
+    # attention reads the codes and scales in place and dequantizes them in registers
+    supports_quantized_kv = True
     deterministic_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     # on a CPU device Triton runs only under its interpreter (TRITON_INTERPRET=1, read at import)
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -205,10 +210,14 @@ class TritonAttentionBackend:
                 v_pool: torch.Tensor, meta: PagedAttentionMetadata, scale: float, window: int = 0,
                 softcap: float = 0.0) -> torch.Tensor:
         num_heads, kv_heads = query.shape[1], k_pool.shape[2]
-        if num_heads % kv_heads or query.dtype != k_pool.dtype or key.dtype != k_pool.dtype:
+        kv_format = FORMAT_IDS[meta.kv_format]
+        # a quantized pool is uint8 whatever the model's dtype (the query's, the key's and the output's)
+        pool_dtype = torch.uint8 if kv_format else query.dtype
+        if num_heads % kv_heads or key.dtype != query.dtype or k_pool.dtype != pool_dtype or v_pool.dtype != pool_dtype:
             raise ValueError(f"triton attention: {num_heads} query heads of {query.dtype} over {kv_heads} KV heads "
-                             f"of {k_pool.dtype} (the heads must divide and the dtypes agree)")
-        ops.store_kv(key, value, k_pool, v_pool, meta.slot_mapping)
+                             f"of {k_pool.dtype} in KV format {meta.kv_format!r} (the heads must divide and the "
+                             f"dtypes agree)")
+        ops.store_kv(key, value, k_pool, v_pool, meta.slot_mapping, kv_format)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         scratch = self._scratch(query)
         for launch in self.plan(meta, num_heads, kv_heads, query.shape[2]):
@@ -216,6 +225,6 @@ class TritonAttentionBackend:
                 query, k_pool, v_pool, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 launch.tile_seq, launch.tile_q, launch.token_begin, launch.num_tokens, scale,
                 launch.block_q, self.block_n, launch.num_splits, use_dot=not (meta.deterministic and ops.INTERPRETED),
-                scratch=scratch, window=window, softcap=softcap,
+                scratch=scratch, window=window, softcap=softcap, kv_format=kv_format,
             )
         return out

@@ -11,7 +11,9 @@ tensors, nothing launched; see ``kernels.triton.warmup``):
   split count the planner can choose at a 4096-token context on a 132-SM device (1-32), both tile
   shapes (decodes, prefill chunks), deterministic mode (which launches the decode tile, unsplit, for
   every row). The CUDA-graph buckets launch the decode tile at one of those split counts: nothing
-  more to compile.
+  more to compile. Over quantized pools (uint8, ``kernels.kv_quant``): each format (fp8 e4m3, fp8
+  e5m2, int8) at head sizes 128 and 256 in bfloat16 (GQA 4 over 8 KV heads, block size 16), both
+  tiles, every split count; the store of each.
 - the fused mixture-of-experts (gate|up and down, ``kernels.triton.moe``) at the widths of
   Mixtral-8x7B (also at tensor-parallel size 2) and Qwen3-30B-A3B (also at expert-parallel size 2).
 - layer ops (RMSNorm with and without the residual, neox rotary, SiLU-and-multiply, and the
@@ -21,7 +23,8 @@ tensors, nothing launched; see ``kernels.triton.warmup``):
 
 That is a few thousand distinct variants; compiling each for two targets would take over an hour
 here. What is compiled is a cover of them, picked greedily in a fixed order: every (dtype, head
-size, tile rows) of attention, every (dtype, head size) of the merge and the store, every (dtype,
+size, tile rows, quantized format) of attention, every (dtype, head size) of the merge, (dtype, head size,
+quantized format) of the store, every (dtype,
 block width, residual) of the norm, (dtype, half width) of rotary, (dtype, width) of SiLU, (dtype,
 bias) of the linear, (dtype, routing weight) of the fused MoE — and every value any one argument takes anywhere in the full set (each
 constexpr value, each dtype, each integer or pointer specialisation) at least once. Compiles are
@@ -47,6 +50,11 @@ GQA_RATIOS = tuple(range(1, 9))
 KV_HEADS = (1, 2, 8)
 BLOCK_SIZES = (1, 8, 16, 32)
 MAX_MODEL_LEN = 4096
+# quantized KV pools (``kernels.kv_quant``): each format's store and attention (both tiles, every split count)
+# at these head sizes, in bfloat16, GQA 4 over 8 KV heads, block size 16
+QUANT_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")
+QUANT_HEAD_DIMS = (128, 256)
+QUANT_DTYPE = torch.bfloat16
 TARGET_PROGRAMS = 2 * 132  # an H100 SXM's multiprocessors, twice: the planner's largest split counts
 # per-block shared memory (opt-in maximum) of the targets
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -89,6 +97,11 @@ def enumerate_all() -> list:
                             shape = AttentionShape(dtype, ratio * kv_heads, kv_heads, head_dim, block_size, 256,
                                                    MAX_MODEL_LEN, deterministic)
                             launches += distinct(attention_launches(backend, shape)).values()
+        if dtype == QUANT_DTYPE:
+            for kv_format in QUANT_FORMATS:
+                for head_dim in QUANT_HEAD_DIMS:
+                    shape = AttentionShape(dtype, 32, 8, head_dim, 16, 256, MAX_MODEL_LEN, False, kv_format)
+                    launches += distinct(attention_launches(backend, shape)).values()
         for _, hidden, inter, heads, kv_heads, head_dim, vocab, bias in MODELS:
             launches += layer_launches(dtype, hidden, inter, heads, kv_heads, head_dim, vocab, bias,
                                        deterministic=True)
@@ -114,7 +127,9 @@ def _critical(launch) -> tuple:
         "_linear_kernel": lambda: (c["HAS_BIAS"],),
         "_fused_moe_kernel": lambda: (c["MUL_ROUTED_WEIGHT"],),
     }
-    return (launch.name, _dtype(launch)) + per_kernel[launch.name]()
+    # a quantized pool's variants are their own (format 0 passes no KV_FORMAT: its tuples as they were)
+    quantized = (c["KV_FORMAT"],) if c.get("KV_FORMAT") else ()
+    return (launch.name, _dtype(launch)) + per_kernel[launch.name]() + quantized
 
 
 def cover(launches: list) -> list:

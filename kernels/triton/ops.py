@@ -21,6 +21,14 @@ starts at the key tile holding its first query's lowest visible key; skipped til
 zeros, so deterministic mode keeps its bits; the keys below the first query's window in that tile are
 not loaded, since a hybrid KV layout's window table may name a stale page there), and ``softcap`` > 0 maps each scaled score s to
 softcap * tanh(s / softcap) (tanh through exp(-2|x|), which cannot overflow) before the mask.
+
+Quantized pools (``kv_cache_dtype``, ``kernels.kv_quant``: uint8 rows of ``head_dim`` codes and a bfloat16
+scale) are the constexpr ``KV_FORMAT`` (format 0, the model's dtype, compiles as before): the store
+quantizes each (token, head) row in the kernel to exactly ``kernels.kv_quant.quantize``'s bytes, and the
+attention loads each key/value tile's codes and scales from the pool in place (no dequantized copy),
+dequantizes them in registers to float32 (a code times its scale: exact), and goes on as for format 0 —
+tl.dot on them in the query's dtype (a no-op for float32), the sums path in float32. The new tokens of
+the step are read back from the pool like the rest, so every key and value is the stored value.
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    USE_DOT: tl.constexpr, KV_FORMAT: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -113,10 +121,20 @@ def _paged_attention_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         within = (pos % BLOCK_SIZE).to(tl.int64)
         kv_ok = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_pool_ptr + block[:, None] * stride_kb + within[:, None] * stride_ks + kv_head * stride_kh
-                    + dims[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_pool_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
-                    + dims[None, :], mask=kv_ok, other=0.0)
+        if KV_FORMAT == 0:  # the pool holds the model's dtype
+            k = tl.load(k_pool_ptr + block[:, None] * stride_kb + within[:, None] * stride_ks + kv_head * stride_kh
+                        + dims[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(v_pool_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
+                        + dims[None, :], mask=kv_ok, other=0.0)
+        else:  # the stored codes and scales read in place, dequantized in registers to float32 (``_load_quantized``);
+            # tl.dot takes them in the query's dtype (a no-op for float32), the sums path keeps float32
+            k_row = k_pool_ptr + block * stride_kb + within * stride_ks + kv_head * stride_kh  # [BLOCK_N] row starts
+            v_row = v_pool_ptr + block * stride_vb + within * stride_vs + kv_head * stride_vh
+            k = _load_quantized(k_row, dims, kv_ok, pos_ok, HEAD_DIM, KV_FORMAT)
+            v = _load_quantized(v_row, dims, kv_ok, pos_ok, HEAD_DIM, KV_FORMAT)
+            if USE_DOT:
+                k = k.to(q_ptr.dtype.element_ty)
+                v = v.to(q_ptr.dtype.element_ty)
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         else:  # (see paged_attention_launch's use_dot)
@@ -153,6 +171,89 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + part_row, l_i, mask=row_ok)
 
 
+# --- quantized KV pools (``kernels.kv_quant``: THE byte layout) ----------------------------------------
+# KV_FORMAT (a constexpr: format 0 compiles as it always has): 0 the model's dtype, 1 float8 e4m3fn, 2 float8
+# e5m2, 3 int8 (``kernels.kv_quant.FORMAT_IDS``). A row is HEAD_DIM one-byte codes, then its scale as a
+# bfloat16 (low byte first). Codes are decoded arithmetically, not through Triton's float8 types: sm_80 has no
+# e4m3 conversion, and the interpreter's float8 rounding is not torch's. Both float8 formats decode exactly
+# through float16: e5m2 is a float16's high byte; e4m3's sign, 4 exponent and 3 mantissa bits placed in a
+# float16 (sign, exponent + 8 below its bias, mantissa) give the value / 256, subnormals included.
+
+
+@triton.jit
+def _decode_codes(codes, KV_FORMAT: tl.constexpr):
+    """uint8 codes -> their float32 values (without the scale)."""
+    c = codes.to(tl.int32)
+    if KV_FORMAT == 1:  # e4m3fn: s eeee mmm -> float16 s 0eeee mmm0000000, times 2**8
+        half = (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+        return half.to(tl.float32) * 256.0
+    elif KV_FORMAT == 2:  # e5m2: the high byte of a float16
+        return (c << 8).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:  # int8: two's complement
+        return (c - ((c & 0x80) << 1)).to(tl.float32)
+
+
+@triton.jit
+def _load_quantized(row_ptr, dims, mask, row_mask, HEAD_DIM: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """The dequantized rows [R, HEAD_P2] (float32) of the pool rows starting at ``row_ptr`` [R] (uint8):
+    each code times its row's bfloat16 scale (the two bytes after the codes); masked entries 0."""
+    codes = tl.load(row_ptr[:, None] + dims[None, :], mask=mask, other=0)
+    lo = tl.load(row_ptr + HEAD_DIM, mask=row_mask, other=0).to(tl.int32)
+    hi = tl.load(row_ptr + (HEAD_DIM + 1), mask=row_mask, other=0).to(tl.int32)
+    scale = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)  # a bfloat16 is a float32's high half
+    return _decode_codes(codes, KV_FORMAT) * scale[:, None]
+
+
+@triton.jit
+def _quantize_rows(x, KV_FORMAT: tl.constexpr):
+    """float32 rows x [R, HEAD_P2] (padding 0) -> (codes [R, HEAD_P2] int32 in 0..255, scale bits [R] int32,
+    a bfloat16's), exactly ``kernels.kv_quant.quantize``: scale = bf16_rne(amax / qmax) (1 for a row of
+    zeros), codes = rne(clamp(x / scale, -qmax, qmax)) in the format. The divisions are IEEE (div_rn: Triton's
+    ``/`` is an approximation on NVIDIA), the roundings integer and float32 arithmetic (exact everywhere)."""
+    if KV_FORMAT == 1:
+        QMAX: tl.constexpr = 448.0
+        MANT: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+        SUB: tl.constexpr = 512.0  # 1 / the subnormals' spacing, 2**(BIAS - 1 + MANT)
+    elif KV_FORMAT == 2:
+        QMAX: tl.constexpr = 57344.0
+        MANT: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+        SUB: tl.constexpr = 65536.0
+    else:
+        QMAX: tl.constexpr = 127.0
+        MANT: tl.constexpr = 0
+        BIAS: tl.constexpr = 0
+        SUB: tl.constexpr = 1.0
+    amax = tl.max(tl.abs(x), 1)
+    ratio = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    ratio = tl.where(amax > 0, ratio, 1.0)
+    bits = ratio.to(tl.uint32, bitcast=True)
+    scale_bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int32)  # round to nearest even (finite > 0)
+    scale = (scale_bits << 16).to(tl.float32, bitcast=True)
+    y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if KV_FORMAT == 3:
+        r = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds |y| < 2**22 half to even
+        codes = r.to(tl.int32) & 0xFF
+    else:
+        ybits = y.to(tl.uint32, bitcast=True)
+        sign = ((ybits >> 24) & 0x80).to(tl.int32)
+        a = tl.abs(y)
+        # the spacing of the format's values at |y|: 2**(max(exponent, 1 - BIAS) - MANT)
+        e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+        e = tl.maximum(e, 1 - BIAS)
+        step = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
+        q = tl.math.div_rn(a, step)  # exact (a power of two), below 2**(MANT + 1)
+        r = ((q + 8388608.0) - 8388608.0) * step  # 2**23: round half to even; r is a value of the format
+        rbits = r.to(tl.uint32, bitcast=True)
+        re = ((rbits >> 23) & 0xFF).to(tl.int32) - 127
+        normal = ((re + BIAS) << MANT) | ((rbits >> (23 - MANT)) & ((1 << MANT) - 1)).to(tl.int32)
+        sub = tl.minimum(r * SUB, 256.0).to(tl.int32)  # exact (a power of two; the bound: lanes not taken)
+        codes = sign | tl.where(re >= 1 - BIAS, normal, sub)
+    return codes, scale_bits
+
+
 @triton.jit(do_not_specialize=["token_begin"])
 def _merge_splits_kernel(
     out_ptr, part_ptr, part_m_ptr, part_l_ptr, token_begin, stride_ot, stride_oh, num_heads,
@@ -182,7 +283,7 @@ def _store_kv_kernel(
     key_ptr, value_ptr, k_pool_ptr, v_pool_ptr, slot_ptr, block_size, kv_heads,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_pkb, stride_pks, stride_pkh, stride_pvb, stride_pvs, stride_pvh,
-    HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr, HEADS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr, HEADS_P2: tl.constexpr, KV_FORMAT: tl.constexpr = 0,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -192,27 +293,51 @@ def _store_kv_kernel(
     dims = tl.arange(0, HEAD_P2)
     slots = tl.zeros([HEADS_P2, HEAD_P2], tl.int64) + slot  # a tensor: the interpreter cannot mask by a scalar
     mask = (heads[:, None] < kv_heads) & (dims[None, :] < HEAD_DIM) & (slots >= 0)
-    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(k_pool_ptr + block * stride_pkb + within * stride_pks + heads[:, None] * stride_pkh + dims[None, :],
-             k, mask=mask)
-    tl.store(v_pool_ptr + block * stride_pvb + within * stride_pvs + heads[:, None] * stride_pvh + dims[None, :],
-             v, mask=mask)
+    if KV_FORMAT == 0:
+        k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+        v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        tl.store(k_pool_ptr + block * stride_pkb + within * stride_pks + heads[:, None] * stride_pkh + dims[None, :],
+                 k, mask=mask)
+        tl.store(v_pool_ptr + block * stride_pvb + within * stride_pvs + heads[:, None] * stride_pvh + dims[None, :],
+                 v, mask=mask)
+    else:  # each (token, head) row quantized to its codes and bfloat16 scale (``_quantize_rows``)
+        row_mask = (heads < kv_heads) & ((tl.zeros([HEADS_P2], tl.int64) + slot) >= 0)
+        k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
+        v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
+        k_codes, k_scale = _quantize_rows(k.to(tl.float32), KV_FORMAT)
+        v_codes, v_scale = _quantize_rows(v.to(tl.float32), KV_FORMAT)
+        k_row = k_pool_ptr + block * stride_pkb + within * stride_pks + heads * stride_pkh  # [HEADS_P2]
+        v_row = v_pool_ptr + block * stride_pvb + within * stride_pvs + heads * stride_pvh
+        tl.store(k_row[:, None] + dims[None, :], k_codes.to(tl.uint8), mask=mask)
+        tl.store(v_row[:, None] + dims[None, :], v_codes.to(tl.uint8), mask=mask)
+        tl.store(k_row + HEAD_DIM, (k_scale & 0xFF).to(tl.uint8), mask=row_mask)  # the scale, low byte first
+        tl.store(k_row + (HEAD_DIM + 1), (k_scale >> 8).to(tl.uint8), mask=row_mask)
+        tl.store(v_row + HEAD_DIM, (v_scale & 0xFF).to(tl.uint8), mask=row_mask)
+        tl.store(v_row + (HEAD_DIM + 1), (v_scale >> 8).to(tl.uint8), mask=row_mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_format: int = 0) -> None:
     """Write ``key``/``value`` ([tokens, kv_heads, d], contiguous last axis, any other strides) into
-    their slots of the pools ([blocks, block_size, kv_heads, d], contiguous); slots < 0 are skipped."""
+    their slots of the pools ([blocks, block_size, kv_heads, d], contiguous); slots < 0 are skipped.
+    ``kv_format`` > 0 (``kernels.kv_quant.FORMAT_IDS``): uint8 pools of ``d + 2`` bytes per row, each row
+    quantized as ``kernels.kv_quant.quantize`` does, to the byte."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    _, block_size, kv_heads, head_dim = k_pool.shape
+    _, block_size, kv_heads, width = k_pool.shape
+    head_dim = key.shape[-1]
     _check_last_axis(key=key, value=value, k_pool=k_pool, v_pool=v_pool)
+    if width != head_dim + (2 if kv_format else 0) or (kv_format and k_pool.dtype != torch.uint8):
+        raise ValueError(f"triton store_kv: a pool of {k_pool.dtype} rows of {width} for heads of {head_dim} "
+                         f"in KV format {kv_format}")
+    constexprs = dict(HEAD_DIM=head_dim, HEAD_P2=_p2(head_dim), HEADS_P2=_p2(kv_heads))
+    if kv_format:
+        constexprs["KV_FORMAT"] = kv_format
     _launch(_store_kv_kernel, (num_tokens,), (
         key, value, k_pool, v_pool, slot_mapping, block_size, kv_heads,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3],
-    ), dict(HEAD_DIM=head_dim, HEAD_P2=_p2(head_dim), HEADS_P2=_p2(kv_heads)))
+    ), constexprs)
 
 
 def _check_last_axis(**tensors: torch.Tensor) -> None:
@@ -245,7 +370,7 @@ def paged_attention_launch(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     tile_seq: torch.Tensor, tile_q: torch.Tensor, token_begin: int, num_tokens: int,
     scale: float, block_q: int, block_n: int, num_splits: int, use_dot: bool = True,
-    scratch: SplitScratch | None = None, window: int = 0, softcap: float = 0.0,
+    scratch: SplitScratch | None = None, window: int = 0, softcap: float = 0.0, kv_format: int = 0,
 ) -> None:
     """Attend the tiles (``tile_seq``, ``tile_q``) of one launch, writing ``out`` rows
     [token_begin, token_begin + num_tokens); ``num_splits`` > 1 splits each tile's keys and merges
@@ -254,12 +379,16 @@ def paged_attention_launch(
     instead of ``tl.dot``: under the interpreter ``tl.dot`` is numpy's BLAS, whose result for a query
     row depends on the row's place in the tile, which batch-invariant attention (``deterministic``)
     cannot have (and which misreads bfloat16, so bfloat16 takes the sums there too). ``window`` and
-    ``softcap``: see the module's docstring (0: none)."""
+    ``softcap``: see the module's docstring (0: none). ``kv_format`` > 0 (``kernels.kv_quant.FORMAT_IDS``):
+    the pools are uint8, ``head_dim + 2`` bytes a row, read in place and dequantized in the kernel."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_pool.shape[2]
     group = num_heads // kv_heads
     head_p2 = _p2(head_dim, 16)  # tl.dot takes operands of 16 or more along every axis
     _check_last_axis(query=query, k_pool=k_pool, v_pool=v_pool, out=out)
+    if k_pool.shape[3] != head_dim + (2 if kv_format else 0) or (kv_format and k_pool.dtype != torch.uint8):
+        raise ValueError(f"triton attention: a pool of {k_pool.dtype} rows of {k_pool.shape[3]} for heads of "
+                         f"{head_dim} in KV format {kv_format}")
     if num_splits > 1:
         if scratch is None or scratch.rows < num_splits * num_tokens or not scratch.fits(num_heads, head_dim, out.device):
             have = f"{scratch.rows} rows x {scratch.num_heads} heads x {scratch.head_p2}" if scratch else "none"
@@ -284,6 +413,7 @@ def paged_attention_launch(
     ), dict(
         BLOCK_SIZE=k_pool.shape[1], HEAD_DIM=head_dim, HEAD_P2=head_p2, GROUP=group, GROUP_P2=_p2(group),
         BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision, USE_DOT=use_dot,
+        **({"KV_FORMAT": kv_format} if kv_format else {}),
     ))
     if num_splits > 1:
         _launch(_merge_splits_kernel, (num_tokens, num_heads), (

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.kv_quant import pool_dtype_and_width
 from kernels.triton import ops
 from kernels.triton.backend import AttentionShape, TritonAttentionBackend
 from kernels.triton.moe import BLOCK_M, max_blocks, moe_gemm
@@ -133,14 +134,16 @@ def attention_launches(backend: TritonAttentionBackend, shape: AttentionShape) -
     """Every attention-side launch (KV store, paged attention, merge) ``backend`` can make for
     ``shape``: its forward over meta tensors, dry, for a step of one decode and one prefill chunk (the
     two tile shapes the planner uses) planned by the backend and then run at each split count of
-    ``split_counts`` (one under ``deterministic``)."""
+    ``split_counts`` (one under ``deterministic``), over a pool of ``shape.kv_format`` (a quantized
+    format's store and attention are variants of their own: KV_FORMAT, uint8 pools)."""
     from kernels.metadata import PagedAttentionMetadata
 
     meta_device = torch.device("meta")
     h, kvh, d, bs = shape.num_heads, shape.kv_heads, shape.head_dim, shape.block_size
     qkv = torch.empty(3, h + 2 * kvh, d, dtype=shape.dtype, device=meta_device)  # as the qkv split views it
     query, key, value = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
-    pool = torch.empty(2, 4, bs, kvh, d, dtype=shape.dtype, device=meta_device)
+    pool_dtype, width = pool_dtype_and_width(shape.kv_format, d, shape.dtype)  # a quantized pool: uint8 rows
+    pool = torch.empty(2, 4, bs, kvh, width, dtype=pool_dtype, device=meta_device)
     context = max(2, min(shape.max_model_len, 4 * bs))
     blocks = list(range(1, -(-context // bs) + 1))
     splits = [1] if shape.deterministic else backend.split_counts(kvh, shape.max_model_len)
@@ -153,7 +156,7 @@ def attention_launches(backend: TritonAttentionBackend, shape: AttentionShape) -
             for count in splits:
                 meta = PagedAttentionMetadata.build([1, 2], [context, context], [blocks, blocks], bs,
                                                     device=meta_device, backend=backend,
-                                                    deterministic=shape.deterministic)
+                                                    deterministic=shape.deterministic, kv_format=shape.kv_format)
                 for launch in backend.plan(meta, h, kvh, d):  # kept on ``meta``: the forward takes this plan
                     launch.num_splits = count
                 backend.forward(query, key, value, pool[0], pool[1], meta, d ** -0.5)
@@ -258,7 +261,8 @@ def runner_shape(runner) -> AttentionShape:
     return AttentionShape(
         dtype=runner.dtype, num_heads=config.model.hf_config["num_attention_heads"] // runner.tp.size,
         kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, block_size=runner.block_size,
-        max_decodes=runner._max_decodes(), max_model_len=config.max_model_len, deterministic=config.deterministic)
+        max_decodes=runner._max_decodes(), max_model_len=config.max_model_len, deterministic=config.deterministic,
+        kv_format=spec.kv_format)
 
 
 def prepare_runner(runner) -> None:

@@ -1,7 +1,8 @@
 """The Triton kernels compiled for real NVIDIA targets with no GPU (``kernels.triton.compile_check``, in
 a process without the interpreter): every variant of its cover — attention in float16, bfloat16 and
 float32 at head sizes 64, 80, 96, 128 and 256, GQA ratios 1-8, block sizes 1, 8, 16 and 32, every
-split count (1-32), both tiles, deterministic mode; the layer ops at the widths of OPT-125m,
+split count (1-32), both tiles, deterministic mode; over quantized pools (fp8 e4m3, fp8 e5m2, int8) at head
+sizes 128 and 256 in bfloat16, both tiles, and their stores; the layer ops at the widths of OPT-125m,
 Qwen2-0.5B, Llama-3.2-1B, Gemma-2-2B, Phi-2, Phi-3-mini, Qwen2.5-7B and Llama-3-8B; the fused MoE at
 Mixtral-8x7B's and Qwen3-30B-A3B's — compiled for
 sm_80 and sm_90, none rejected, each within its target's shared memory per block (163 KiB, 227 KiB).
@@ -65,7 +66,12 @@ def test_the_cover_holds_every_kind_of_variant(report):
     assert {c["GROUP"] for c in attention} == set(range(1, 9))
     assert {c["BLOCK_SIZE"] for c in attention} == {1, 8, 16, 32}
     tiles = {(r["critical"]) for r in rows if r["kernel"] == "_paged_attention_kernel"}
-    assert len(tiles) == 3 * 5 * 2  # dtype x head size x (decode rows, prefill rows)
+    # dtype x head size x (decode rows, prefill rows); over quantized pools, format x head size x tile (bfloat16)
+    assert len(tiles) == 3 * 5 * 2 + 3 * 2 * 2
+    quantized = {(c["KV_FORMAT"], c["HEAD_DIM"], c["BLOCK_Q"]) for c in attention if c.get("KV_FORMAT")}
+    assert quantized == {(f, d, q) for f in (1, 2, 3) for d, qs in ((128, (4, 16)), (256, (4, 8))) for q in qs}
+    assert {(c.get("KV_FORMAT", 0), c["HEAD_DIM"]) for c in by_kernel["_store_kv_kernel"]} >= {
+        (f, d) for f in (1, 2, 3) for d in (128, 256)}
     assert {c["NUM_SPLITS"] for c in by_kernel["_merge_splits_kernel"]} == {2, 4, 8, 16, 32}
     assert {(c["BLOCK"], c["HAS_RESIDUAL"]) for c in by_kernel["_rms_norm_kernel"]} == {
         (b, r) for b in (1024, 2048, 4096) for r in (False, True)}

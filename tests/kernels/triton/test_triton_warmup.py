@@ -29,11 +29,11 @@ SETTINGS = dict(attention_backend="triton", block_size=8, num_kv_blocks=64, max_
                 max_num_batched_tokens=32, max_num_seqs=4)
 
 
-def _run(model_dir: str, deterministic: bool, graphs: bool):
+def _run(model_dir: str, deterministic: bool, graphs: bool, kv_cache_dtype: str = "auto"):
     prompts = make_prompts(model_dir)
     chosen = [prompts[6][:70], prompts[2][:20], prompts[1], prompts[3][:45]]  # 70 and 45 come in chunks of 32
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 5, 4, 3)]
-    with LLM(model=model_dir, deterministic=deterministic, **SETTINGS) as llm:
+    with LLM(model=model_dir, deterministic=deterministic, kv_cache_dtype=kv_cache_dtype, **SETTINGS) as llm:
         runner = llm.core.executor.worker.runner
         runner.batch.use_staging(Staging(torch.device("cpu"), pin=False))  # the inputs as a CUDA step sends them
         with record_launches() as warm:
@@ -49,10 +49,12 @@ def _describe(launches) -> list[str]:
     return [f"{launch.name} {launch.constexprs} {launch.key[1]}" for launch in launches]
 
 
-@pytest.mark.parametrize("arch,deterministic,graphs", [("llama", False, True), ("qwen2", False, False),
-                                                       ("llama", True, False)])
-def test_the_warm_up_compiles_every_variant_a_run_launches(arch, deterministic, graphs, model_dirs):
-    warm, used, done, runner = _run(model_dirs[arch], deterministic, graphs)
+@pytest.mark.parametrize("arch,deterministic,graphs,kv_cache_dtype", [
+    ("llama", False, True, "auto"), ("qwen2", False, False, "auto"), ("llama", True, False, "auto"),
+    ("llama", False, True, "int8")])
+def test_the_warm_up_compiles_every_variant_a_run_launches(arch, deterministic, graphs, kv_cache_dtype, model_dirs):
+    """A quantized pool (int8) launches the store and attention of its format: compiled too."""
+    warm, used, done, runner = _run(model_dirs[arch], deterministic, graphs, kv_cache_dtype)
     missing = [used[key] for key in used.keys() - warm.keys()]
     assert not missing, "\n".join(_describe(missing))
     attention = [launch for launch in used.values() if launch.name == "_paged_attention_kernel"]
@@ -65,6 +67,9 @@ def test_the_warm_up_compiles_every_variant_a_run_launches(arch, deterministic, 
     assert {launch.constexprs["BLOCK_Q"] for launch in attention} == {decode_q, prefill_q}
     splits = {launch.constexprs["NUM_SPLITS"] for launch in attention}
     assert splits == ({1, 2} if graphs else {1}), splits
+    fmt = 3 if kv_cache_dtype == "int8" else 0
+    assert {launch.constexprs.get("KV_FORMAT", 0) for launch in used.values()
+            if launch.name in ("_paged_attention_kernel", "_store_kv_kernel")} == {fmt}
     assert done["attention_variants"] == len(distinct(attention_launches(backend, runner_shape(runner))))
     assert done["compiled"] is False  # interpreted: enumerated, nothing compiled
 
