@@ -162,3 +162,28 @@ def test_deterministic_mode_stays_bitwise_invariant(llama, fmt):
         assert run_with_others(llm, prompt, 24, seed=5)[0] == alone
         warm, out = run_with_others(llm, prompt, 3, seed=6)
         assert out.num_cached_tokens >= 128 and warm == alone
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_triton_teacher_forced_within_the_measured_error(llama, prompts, hf_oracle, fmt):
+    """The Triton kernels (interpreted) on a quantized pool: short prompts in 16-token chunks, prompt
+    logprobs within the format's bound of HF's and next to the compiled CPU kernels' on the same
+    pool format."""
+    chosen = [prompts[0], prompts[1][:30], prompts[3][:40]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    outs = {}
+    for backend in ("triton", "cpu"):
+        with LLM(model=llama, kv_cache_dtype=fmt, attention_backend=backend, block_size=16, max_model_len=64,
+                 max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
+            assert llm.stats()["attention_backend"] == backend
+            outs[backend] = llm.generate([{"prompt_token_ids": p} for p in chosen], params)
+    for prompt, out, cpu in zip(chosen, outs["triton"], outs["cpu"]):
+        ref = hf_oracle(ARCH).log_softmax(prompt)
+        worst = max(abs(out.prompt_logprobs[pos][prompt[pos]][0] - float(ref[pos - 1, prompt[pos]]))
+                    for pos in range(1, len(prompt)))
+        assert worst <= TOL[fmt]
+        # the same stored bytes, float32 sums in another order (the interpreter's tl.dot is numpy's):
+        # measured up to 1.5e-4 apart
+        for pos in range(1, len(prompt)):
+            assert out.prompt_logprobs[pos][prompt[pos]][0] == pytest.approx(
+                cpu.prompt_logprobs[pos][prompt[pos]][0], abs=5e-4)
