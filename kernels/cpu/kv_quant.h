@@ -90,7 +90,8 @@ inline float kv_row_scale(const uint8_t* row, int d) {
 // W codes at p as floats (dequantize_row): e5m2's exact values, e4m3fn's times 2^-8, int8's.
 #if defined(__AVX512F__)
 inline vf kv_halves_e5m2(const uint8_t* p) {
-  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8);
   return reinterpret_cast<vf>(_mm512_cvtph_ps(h));
 }
 inline vf kv_halves_e4m3(const uint8_t* p) {
@@ -100,11 +101,13 @@ inline vf kv_halves_e4m3(const uint8_t* p) {
   return reinterpret_cast<vf>(_mm512_cvtph_ps(h));
 }
 inline vf kv_int8(const uint8_t* p) {
-  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
 }
 #else
 inline vf kv_halves_e5m2(const uint8_t* p) {
-  const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
+  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(c), 8);
   return reinterpret_cast<vf>(_mm256_cvtph_ps(h));
 }
 inline vf kv_halves_e4m3(const uint8_t* p) {
@@ -114,7 +117,8 @@ inline vf kv_halves_e4m3(const uint8_t* p) {
   return reinterpret_cast<vf>(_mm256_cvtph_ps(h));
 }
 inline vf kv_int8(const uint8_t* p) {
-  return reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
 }
 #endif
 #endif
