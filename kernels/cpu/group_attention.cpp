@@ -76,8 +76,8 @@ void attend_group_blas(const GroupAttention& p, int kv_head, const int32_t* toke
       const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_stride +
                            static_cast<int64_t>(pos % p.block_size) * p.slot_stride + head_offset;
       if (p.k_codes) {
-        dequantize_row(p.k_codes + slot, d, p.code_table, sc.k.data() + static_cast<size_t>(j) * d);
-        dequantize_row(p.v_codes + slot, d, p.code_table, sc.v.data() + static_cast<size_t>(j) * d);
+        dequantize_row(p.k_codes + slot, d, p.kv_format, p.code_table, sc.k.data() + static_cast<size_t>(j) * d);
+        dequantize_row(p.v_codes + slot, d, p.kv_format, p.code_table, sc.v.data() + static_cast<size_t>(j) * d);
       } else {
         std::memcpy(sc.k.data() + static_cast<size_t>(j) * d, p.k_pool + slot, sizeof(float) * d);
         std::memcpy(sc.v.data() + static_cast<size_t>(j) * d, p.v_pool + slot, sizeof(float) * d);

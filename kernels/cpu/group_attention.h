@@ -19,6 +19,7 @@ struct GroupAttention {
   const uint8_t* k_codes;   // quantized pools (kv_quant.h), else null
   const uint8_t* v_codes;
   const float* code_table;  // the quantized format's value of each code
+  int kv_format;            // 1 .. 3 with k_codes (kv_quant.h), else 0
   int row_width;            // pool elements per (token, KV head) row: head_dim, or head_dim + 2 bytes
   int64_t block_stride, slot_stride;
   int block_size, group_size, head_dim, num_heads;

@@ -17,6 +17,12 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include "vec.h"
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -80,10 +86,83 @@ inline float kv_row_scale(const uint8_t* row, int d) {
   return s;
 }
 
-// The row's d values in float32 at out (table: kv_code_table of the pool's format).
-inline void dequantize_row(const uint8_t* row, int d, const float* table, float* out) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+// W codes at p as floats (dequantize_row): e5m2's exact values, e4m3fn's times 2^-8, int8's.
+#if defined(__AVX512F__)
+inline vf kv_halves_e5m2(const uint8_t* p) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8);
+  return reinterpret_cast<vf>(_mm512_cvtph_ps(h));
+}
+inline vf kv_halves_e4m3(const uint8_t* p) {
+  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7f)), 7));
+  return reinterpret_cast<vf>(_mm512_cvtph_ps(h));
+}
+inline vf kv_int8(const uint8_t* p) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+}
+#else
+inline vf kv_halves_e5m2(const uint8_t* p) {
+  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(c), 8);
+  return reinterpret_cast<vf>(_mm256_cvtph_ps(h));
+}
+inline vf kv_halves_e4m3(const uint8_t* p) {
+  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7f)), 7));
+  return reinterpret_cast<vf>(_mm256_cvtph_ps(h));
+}
+inline vf kv_int8(const uint8_t* p) {
+  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
+}
+#endif
+#endif
+
+// The row's d values in float32 at out (fmt: the pool's format 1 .. 3; table: kv_code_table(fmt), for
+// the scalar path). Bit for bit table[code] * scale, W codes at a time on x86 (AVX-512, or AVX2 with
+// F16C as in x86-64-v3), the last d % W (and every code elsewhere) through the table:
+// - e5m2: a code is the high byte of an IEEE half; code << 8 converted to float (vcvtph2ps) is its
+//   value exactly.
+// - e4m3fn: sign << 15 | (code & 0x7f) << 7 read as a half is the code's value times 2^-8 exactly,
+//   subnormals included (a half's exponent bias is 15, e4m3's 7; a zero exponent field is a half
+//   subnormal with the same 2^-8 scaling), and 256 is folded into the scale: h * (256 s) and
+//   (256 h) * s are the one float32 rounding of the same real product, since 256 h (at most 480) is
+//   exact and so is 256 s unless it overflows, which a finite scale of kv_quant's (at most
+//   bfloat16(FLT_MAX / 448) < 2^120) never does; a larger finite scale is multiplied in twice. The
+//   NaN codes 0x7f / 0xff, which quantize_row never writes (it clamps to +-448), come out as
+//   +-480 * scale from the vector lanes (the table's NaN in the scalar tail).
+// - int8: sign-extended to int32 and converted, exactly.
+// No add anywhere, so no FMA contraction can change a product.
+inline void dequantize_row(const uint8_t* row, int d, int fmt, const float* table, float* out) {
   const float s = kv_row_scale(row, d);
-  for (int k = 0; k < d; ++k) out[k] = table[row[k]] * s;
+  int k = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+  if (fmt == 1) {
+    const float s256 = s * 256.0f;
+    const bool fold = std::isfinite(s256) || !std::isfinite(s);
+    if (fold) {
+      const vf sv = vsplat(s256);
+      for (; k + W <= d; k += W) vstore(out + k, kv_halves_e4m3(row + k) * sv);
+    } else {
+      const vf sv = vsplat(s);
+      for (; k + W <= d; k += W) vstore(out + k, (kv_halves_e4m3(row + k) * 256.0f) * sv);
+    }
+  } else if (fmt == 2) {
+    const vf sv = vsplat(s);
+    for (; k + W <= d; k += W) vstore(out + k, kv_halves_e5m2(row + k) * sv);
+  } else {
+    const vf sv = vsplat(s);
+    for (; k + W <= d; k += W) vstore(out + k, kv_int8(row + k) * sv);
+  }
+#else
+  (void)fmt;
+#endif
+  for (; k < d; ++k) out[k] = table[row[k]] * s;
 }
 
 }  // namespace kvserve

@@ -308,8 +308,8 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
       if (quantized) {  // the tile's rows of this KV head, dequantized into the scratch
         float* kd = sc.kv.data() + j * d;
         float* vd = sc.kv.data() + (kKeyTile + j) * d;
-        dequantize_row(p.k_codes + slot, d, p.code_table, kd);
-        dequantize_row(p.v_codes + slot, d, p.code_table, vd);
+        dequantize_row(p.k_codes + slot, d, p.kv_format, p.code_table, kd);
+        dequantize_row(p.v_codes + slot, d, p.kv_format, p.code_table, vd);
         kf[j] = kd;
         vf_[j] = vd;
       } else if constexpr (std::is_same_v<scalar_t, float>) {
@@ -509,8 +509,8 @@ void attend_scalar(const Problem<scalar_t>& p, int kv_head, const int32_t* token
                              static_cast<int64_t>(pos % p.block_size) * p.slot_stride +
                              static_cast<int64_t>(kv_head) * p.row_width;
         if (p.kv_format) {
-          dequantize_row(p.k_codes + slot, d, p.code_table, kq.data());
-          dequantize_row(p.v_codes + slot, d, p.code_table, vq.data());
+          dequantize_row(p.k_codes + slot, d, p.kv_format, p.code_table, kq.data());
+          dequantize_row(p.v_codes + slot, d, p.kv_format, p.code_table, vq.data());
           step(static_cast<const float*>(kq.data()), static_cast<const float*>(vq.data()));
         } else {
           step(p.k_pool + slot, p.v_pool + slot);
@@ -570,7 +570,7 @@ void run_group_blas(const Problem<scalar_t>& p, std::vector<Item>& items, const 
     if (n == 0) return;
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
     const GroupAttention gp{p.query, p.q_tok_stride, p.q_head_stride, p.k_pool, p.v_pool, p.k_codes, p.v_codes,
-                            p.code_table, p.row_width, p.block_stride, p.slot_stride, p.block_size, p.group_size,
+                            p.code_table, p.kv_format, p.row_width, p.block_stride, p.slot_stride, p.block_size, p.group_size,
                             p.head_dim, p.num_heads, p.out, p.out_tok_stride, p.lse, p.scale};
     std::atomic<int64_t> next{0};
     const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);

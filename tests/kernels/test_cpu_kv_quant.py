@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels import PagedAttentionMetadata, paged_attention
-from kernels.kv_quant import FORMAT_IDS, dequantize_pool, quantize
+from kernels.kv_quant import FORMAT_IDS, dequantize, dequantize_pool, quantize
 from tests.compiled import cpu_backend_or_skip
 from tests.kernels.test_cpu_attention import Pool, plan_for, shared_batch
 from tests.kernels.window_cases import with_threads
@@ -146,6 +146,45 @@ def test_half_type_queries(fmt, dtype):
     out, want, _ = step(pool, fmt, specs, tables, 8, dtype=dtype)
     assert out.dtype == dtype
     assert_same(out, want, dtype)
+
+
+# bfloat16 scales for test_every_code_dequantizes_to_its_value: 1, powers of two, values that round,
+# a subnormal, the largest kv_quant writes (bfloat16(FLT_MAX / 448)) and one past it whose 256 * scale
+# overflows (e4m3's vector path then multiplies twice)
+CODE_SCALES = [1.0, 2.0 ** -10, 3.0, 0.1, 1e-39, float(torch.tensor(3.4028235e38 / 448).bfloat16()), 2.0 ** 121]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("head_dim,kv_heads", [(256, 1), (128, 2), (40, 7), (36, 8)])
+def test_every_code_dequantizes_to_its_value(fmt, head_dim, kv_heads):
+    """All 256 codes of the format, in the cached V row of a decode under several scales, come out of the
+    kernel to the bit as kv_quant.dequantize gives them: the cached key outscores the step's own by over
+    100 (its weight exp(-d) is exactly 0), so the output is (1 * v + 0 * v_new) / 1 = v to the bit, but
+    for a zero's sign (the accumulator starts at +0: zeros are compared as +0). Head sizes on the
+    vector path's full vectors (256, 128) and with a scalar tail (40, 36). The NaN codes (e4m3fn's
+    0x7f / 0xff, e5m2's 0x7d-0x7f / 0xfd-0xff), which the store never writes: e5m2's read as NaN,
+    e4m3fn's as anything."""
+    bs = 4
+    codes = (torch.arange(kv_heads * head_dim) % 256).to(torch.uint8).view(kv_heads, head_dim)
+    meta = PagedAttentionMetadata.build([1], [2], [[1]], bs, backend=CPU, kv_format=fmt)
+    query = torch.full((1, kv_heads, head_dim), 4.0)
+    key = torch.full((1, kv_heads, head_dim), -1.0)
+    value = torch.full((1, kv_heads, head_dim), -1.0)
+    k_pool = quantize(torch.ones(2, bs, kv_heads, head_dim), fmt)
+    k_pool[0] = 0
+    k_pool[0, ..., -2:] = NAN_SCALE
+    nan_codes = {"fp8_e4m3": [0x7f, 0xff], "fp8_e5m2": [0x7d, 0x7e, 0x7f, 0xfd, 0xfe, 0xff], "int8": []}[fmt]
+    nan_code = torch.isin(codes, torch.tensor(nan_codes, dtype=torch.uint8))
+    for scale in CODE_SCALES:
+        v_pool = k_pool.clone()
+        v_pool[1, 0, :, :head_dim] = codes
+        v_pool[1, 0, :, head_dim:] = torch.tensor([scale], dtype=torch.bfloat16).view(torch.uint8)
+        out_all = out = paged_attention(query, key, value, k_pool, v_pool, meta, 1.0)[0]
+        want = dequantize(v_pool[1, 0], fmt)
+        out, want = (torch.where(x == 0, 0.0, x)[~nan_code] for x in (out, want))
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), scale
+        if fmt == "fp8_e5m2":
+            assert out_all[nan_code].isnan().all()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
