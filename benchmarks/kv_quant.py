@@ -28,11 +28,19 @@ from engine import LLM, SamplingParams
 FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
-def _scored(llm: LLM, sequences: list[list[int]]) -> list[list[tuple[float, int]]]:
-    """Per sequence, (logprob, rank) of each token after the first, teacher-forced."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+def _scored(llm: LLM, sequences: list[list[int]]) -> list[list[tuple[float, int, float]]]:
+    """Per sequence, (logprob, rank, margin) of each token after the first, teacher-forced; margin: the
+    best logprob at that position less the second best."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=2)
     outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params)
-    return [[entry[tok] for tok, entry in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(sequences, outs)]
+    scored = []
+    for s, o in zip(sequences, outs):
+        rows = []
+        for tok, entry in zip(s[1:], o.prompt_logprobs[1:]):
+            best = sorted((lp for lp, rank in entry.values() if rank <= 2), reverse=True)
+            rows.append((*entry[tok], best[0] - best[1] if len(best) > 1 else float("inf")))
+        scored.append(rows)
+    return scored
 
 
 def _hf_logprobs(model: str, sequences: list[list[int]]) -> list[list[float]]:
@@ -52,6 +60,13 @@ def _hf_logprobs(model: str, sequences: list[list[int]]) -> list[list[float]]:
             lp = torch.log_softmax(logits, dim=-1)
             out.append(lp.gather(1, torch.tensor(s[1:])[:, None])[:, 0].tolist())
     return out
+
+
+MARGINS = (0.0, 0.1, 0.5, 1.0)  # top-1 minus top-2 logprob of auto at a generated position
+
+
+def _share(flags: list[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
 
 
 def _stats(values: list[float]) -> dict:
@@ -81,7 +96,13 @@ def accuracy(model: str, workload: Workload, formats, block_size: int, hf: bool,
         rows = scores[fmt]
         vs_auto = [abs(a[0] - b[0]) for r, base in zip(rows, scores["auto"]) for a, b in zip(r, base)]
         agree = [rows[i][j][1] == 1 for i, g in enumerate(generated) for j in g]
-        entry = {"delta_logprob_vs_auto": _stats(vs_auto), "greedy_agreement": sum(agree) / max(len(agree), 1)}
+        margins = [scores["auto"][i][j][2] for i, g in enumerate(generated) for j in g]
+        entry = {"delta_logprob_vs_auto": _stats(vs_auto), "greedy_agreement": sum(agree) / max(len(agree), 1),
+                 # agreement where auto's best token led its runner-up by at least the margin: a random
+                 # checkpoint's next-token distributions are flat, a top-2 gap of hundredths is common
+                 "greedy_agreement_by_margin": {
+                     str(m): _share([a for a, g in zip(agree, margins) if g >= m]) for m in MARGINS},
+                 "generated_positions_by_margin": {str(m): sum(g >= m for g in margins) for m in MARGINS}}
         if oracle is not None:
             entry["delta_logprob_vs_hf"] = _stats([abs(a[0] - h) for r, o in zip(rows, oracle) for a, h in zip(r, o)])
         report["formats"][fmt] = entry
@@ -170,13 +191,18 @@ def format_kv_quant_report(report: dict) -> str:
     for name, acc in report.get("accuracy", {}).items():
         lines += ["", f"accuracy, {name}: {acc['sequences']} sequences, {acc['scored_positions']} positions scored, "
                   f"{acc['generated_positions']} generated", "",
-                  "| format | |Δ logprob| vs auto mean / p99 / max | vs HF mean / p99 / max | greedy agreement |",
-                  "|---|---|---|---:|"]
+                  "| format | |Δ logprob| vs auto mean / p99 / max | vs HF mean / p99 / max | greedy agreement | "
+                  + " | ".join(f"where auto's top-2 gap >= {m} ({acc['formats']['auto']['generated_positions_by_margin'][str(m)]})"
+                               for m in MARGINS[1:]) + " |",
+                  "|---|---|---|---:|" + "---:|" * (len(MARGINS) - 1)]
         for fmt, e in acc["formats"].items():
             a, h = e["delta_logprob_vs_auto"], e.get("delta_logprob_vs_hf")
             hf = f"{h['mean']:.5f} / {h['p99']:.5f} / {h['max']:.5f}" if h else "-"
+            by = e["greedy_agreement_by_margin"]
             lines.append(f"| {fmt} | {a['mean']:.5f} / {a['p99']:.5f} / {a['max']:.5f} | {hf} | "
-                         f"{100 * e['greedy_agreement']:.2f}% |")
+                         f"{100 * e['greedy_agreement']:.2f}% | "
+                         + " | ".join("-" if by[str(m)] is None else f"{100 * by[str(m)]:.2f}%" for m in MARGINS[1:])
+                         + " |")
     if "capacity" in report:
         cap = report["capacity"]
         lines += ["", f"capacity in {cap['kv_bytes'] / 2**30:.2f} GiB of KV ({cap['seq_len']}-token sequences)", "",
@@ -214,6 +240,8 @@ def add_bench_kv_quant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the model's dtype (auto: the engine's choice for the device)")
     parser.add_argument("--json", help="also write the report to this file")
 
 
@@ -225,7 +253,7 @@ def run_bench_kv_quant(args: argparse.Namespace) -> int:
                             kv_gib=args.kv_gib, capacity_len=args.capacity_len, pool_share=args.pool_share,
                             repeat=args.repeat, users=args.users, turns=args.turns, output_len=args.output_len,
                             accuracy_requests=args.accuracy_requests, parts=args.parts,
-                            attention_backend=args.attention_backend)
+                            attention_backend=args.attention_backend, dtype=args.dtype)
     print(format_kv_quant_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -41,6 +41,8 @@ def add_profile_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cascade", action="store_true", help="turn shared-prefix attention off")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
                         help="the KV pool's format")
+    parser.add_argument("--kv-gib", type=float, default=None,
+                        help="KV bytes (default: the engine's; 64 sequences of 2k tokens need 4 GiB in float32)")
 
 
 class _Timers:
@@ -122,7 +124,7 @@ def _fma_peak() -> float | None:
 
 def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, shared_prefix: int = 512,
                  steps: int = 20, threads: int = 2, block_size: int = 16, attention_backend: str = "auto",
-                 cascade: bool = True, kv_cache_dtype: str = "auto") -> dict:
+                 cascade: bool = True, kv_cache_dtype: str = "auto", kv_gib: float | None = None) -> dict:
     from engine import LLM, SamplingParams
     from engine.sampling_params import RequestOutputKind
 
@@ -134,7 +136,8 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
                             output_kind=RequestOutputKind.DELTA)
     with LLM(model=model, max_num_seqs=num_seqs, block_size=block_size, attention_backend=attention_backend,
              cascade_attention=cascade, max_model_len=prompt_len + params.max_tokens + block_size,
-             kv_cache_dtype=kv_cache_dtype) as llm:
+             kv_cache_dtype=kv_cache_dtype,
+             kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30)) as llm:
         core = llm.core
         for i in range(num_seqs):
             own = [rng.randrange(5, vocab_hi) for _ in range(max(1, prompt_len - len(prefix)))]
@@ -220,6 +223,6 @@ def run_profile_step(args: argparse.Namespace) -> int:
     result = profile_step(args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len,
                           shared_prefix=args.shared_prefix, steps=args.steps, threads=args.threads,
                           block_size=args.block_size, attention_backend=args.attention_backend,
-                          cascade=not args.no_cascade, kv_cache_dtype=args.kv_cache_dtype)
+                          cascade=not args.no_cascade, kv_cache_dtype=args.kv_cache_dtype, kv_gib=args.kv_gib)
     print(format_profile(result))
     return 0

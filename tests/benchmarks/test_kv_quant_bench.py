@@ -3,7 +3,7 @@ against 64 in float32)."""
 
 from __future__ import annotations
 
-from benchmarks.kv_quant import bench_kv_quant, format_kv_quant_report
+from benchmarks.kv_quant import MARGINS, bench_kv_quant, format_kv_quant_report
 
 
 def test_bench_kv_quant_smoke(model_dirs):
@@ -16,6 +16,9 @@ def test_bench_kv_quant_smoke(model_dirs):
         assert (acc["sequences"], acc["generated_positions"]) == (4, 16), name  # 4 requests x 4 tokens out
         assert auto["delta_logprob_vs_auto"]["max"] == 0.0 and auto["greedy_agreement"] == 1.0
         assert auto["delta_logprob_vs_hf"]["max"] < 1e-4  # the engine in float32 against transformers
+        counts = [auto["generated_positions_by_margin"][str(m)] for m in MARGINS]
+        assert counts[0] == 16 and counts == sorted(counts, reverse=True)  # fewer positions at wider gaps
+        assert all(v in (None, 1.0) for v in auto["greedy_agreement_by_margin"].values())
         assert 0.0 < int8["delta_logprob_vs_auto"]["mean"] <= int8["delta_logprob_vs_auto"]["p99"] \
             <= int8["delta_logprob_vs_auto"]["max"] < 0.1
     cap = report["capacity"]["formats"]
