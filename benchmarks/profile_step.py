@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
+from kernels.kv_quant import KV_CACHE_DTYPES
+
 PHASES = ("schedule", "prepare inputs", "forward", "logits", "sample", "update", "outputs")
 OP_FAMILIES = {
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "kvserve_cpu::linear"),
@@ -39,7 +41,7 @@ def add_profile_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "cpu"))
     parser.add_argument("--no-cascade", action="store_true", help="turn shared-prefix attention off")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="the KV pool's format")
     parser.add_argument("--kv-gib", type=float, default=None,
                         help="KV bytes (default: the engine's; 64 sequences of 2k tokens need 4 GiB in float32)")

@@ -9,11 +9,12 @@ as the host stores it). A value is ``decode(code) * scale``:
 - ``fp8_e5m2``: float8 e5m2 (max 57344), ``scale = bf16(amax / 57344)``;
 - ``int8``: signed bytes, ``scale = bf16(amax / 127)``, codes ``round_half_even(x / scale)``.
 
-``amax`` is the row's largest magnitude (a row of zeros takes scale 1). The scale is rounded to bfloat16
+``amax`` is the row's largest magnitude; a row whose ``amax / qmax`` rounds to 0 in bfloat16 (a row of
+zeros, or one below about 2^-134 x qmax) takes scale 1. The scale is rounded to bfloat16
 first and the codes are computed with the rounded scale, clamped to the format's range (float8 e4m3fn has
 no infinity: an overflow would be NaN). So a row's bytes depend on that token's K (or V) of that head
 alone, never on the tokens stored after it nor on its batch: a cached block's bytes are the same whoever
-wrote it, and ``deterministic`` stays batch-invariant. Per-token scales cost 2 bytes per 128 (head size
+wrote it, and ``deterministic`` stays batch-invariant. Per-token scales cost 2 bytes per row (head size
 64: a row of 66 bytes against 128 in bfloat16, 1.94x the blocks; 256 in float32, 3.88x).
 
 The pool's bytes are the KV: the host tier copies them as they are, and the scheduler sees only bytes per
@@ -63,7 +64,8 @@ def quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
     code_dtype, qmax = CODES[fmt]
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).to(torch.bfloat16)
+    scale = (amax / qmax).to(torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zeros, and rows whose scale rounds to 0
     y = (xf / scale.float()).clamp(-qmax, qmax)
     codes = torch.round(y).to(torch.int8).view(torch.uint8) if fmt == "int8" else y.to(code_dtype).view(torch.uint8)
     return torch.cat([codes, scale.view(torch.uint8)], dim=-1)

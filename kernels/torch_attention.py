@@ -237,8 +237,10 @@ class TorchAttentionBackend:
         nd, num_seqs = meta.num_decodes, meta.num_seqs
         out = torch.empty_like(query)
         if nd:
-            block_size, kv_heads = k_pool.shape[1:3]
+            block_size, kv_heads, width = k_pool.shape[1:]
             per_token = 2 * kv_heads * query.shape[-1] * query.element_size()
+            if is_quantized(fmt):  # the gathered rows, their codes in float32 and the float32 product too
+                per_token += 2 * kv_heads * (width + 8 * query.shape[-1])
             blocks = [-(-n // block_size) * block_size for n in meta.context_lens[:nd]]
             for start, end, longest in decode_slices(blocks, per_token):
                 out[start:end] = paged_decode_attention(

@@ -61,7 +61,7 @@ def allocate_kv_pool(spec: KVPoolSpec, num_blocks: int, device: torch.device, *,
 
 class HostKVTier:
     """This rank's shard of the host KV tier: ``num_slots`` blocks shaped like the pool's, in host
-    memory (pinned on CUDA), [num_layers, 2, num_slots, block_size, num_kv_heads, head_dim]. The
+    memory (pinned on CUDA), [num_layers, 2, num_slots, block_size, num_kv_heads, row_width]. The
     scheduler's index (``engine.host_tier``) decides which slot holds what; this only copies.
     Copies are plain (synchronous) ones, layer by layer, all blocks of a step at once."""
 

@@ -62,7 +62,8 @@ inline void quantize_row(const T* x, int d, int fmt, uint8_t* out) {
   const float qmax = kv_qmax(fmt);
   float amax = 0.0f;
   for (int k = 0; k < d; ++k) amax = std::max(amax, std::fabs(kv_to_float(x[k])));
-  const c10::BFloat16 scale(amax > 0.0f ? amax / qmax : 1.0f);  // round to nearest even
+  c10::BFloat16 scale(amax / qmax);  // round to nearest even
+  if (!(static_cast<float>(scale) > 0.0f)) scale = c10::BFloat16(1.0f);  // zeros, or a scale rounded to 0
   const float s = static_cast<float>(scale);
   for (int k = 0; k < d; ++k) {
     const float y = std::min(std::max(kv_to_float(x[k]) / s, -qmax), qmax);
@@ -134,7 +135,7 @@ inline vf kv_int8(const uint8_t* p) {
 //   (256 h) * s are the one float32 rounding of the same real product, since 256 h (at most 480) is
 //   exact and so is 256 s unless it overflows, which a finite scale of kv_quant's (at most
 //   bfloat16(FLT_MAX / 448) < 2^120) never does; a larger finite scale is multiplied in twice. The
-//   NaN codes 0x7f / 0xff, which quantize_row never writes (it clamps to +-448), come out as
+//   NaN codes 0x7f / 0xff, which quantize_row writes only for a NaN input (it clamps to +-448), come out as
 //   +-480 * scale from the vector lanes (the table's NaN in the scalar tail).
 // - int8: sign-extended to int32 and converted, exactly.
 // No add anywhere, so no FMA contraction can change a product.

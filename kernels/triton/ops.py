@@ -230,6 +230,7 @@ def _quantize_rows(x, KV_FORMAT: tl.constexpr):
     ratio = tl.where(amax > 0, ratio, 1.0)
     bits = ratio.to(tl.uint32, bitcast=True)
     scale_bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int32)  # round to nearest even (finite > 0)
+    scale_bits = tl.where(scale_bits > 0, scale_bits, 0x3F80)  # a scale rounded to 0 is 1 (bfloat16 1.0)
     scale = (scale_bits << 16).to(tl.float32, bitcast=True)
     y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)

@@ -3,7 +3,9 @@ against 64 in float32)."""
 
 from __future__ import annotations
 
-from benchmarks.kv_quant import MARGINS, bench_kv_quant, format_kv_quant_report
+import pytest
+
+from benchmarks.kv_quant import bench_kv_quant, format_kv_quant_report
 
 
 def test_bench_kv_quant_smoke(model_dirs):
@@ -14,11 +16,12 @@ def test_bench_kv_quant_smoke(model_dirs):
     for name, acc in report["accuracy"].items():
         auto, int8 = acc["formats"]["auto"], acc["formats"]["int8"]
         assert (acc["sequences"], acc["generated_positions"]) == (4, 16), name  # 4 requests x 4 tokens out
-        assert auto["delta_logprob_vs_auto"]["max"] == 0.0 and auto["greedy_agreement"] == 1.0
         assert auto["delta_logprob_vs_hf"]["max"] < 1e-4  # the engine in float32 against transformers
-        counts = [auto["generated_positions_by_margin"][str(m)] for m in MARGINS]
-        assert counts[0] == 16 and counts == sorted(counts, reverse=True)  # fewer positions at wider gaps
-        assert all(v in (None, 1.0) for v in auto["greedy_agreement_by_margin"].values())
+        # auto is within 1e-4 of transformers, so int8's error against either is the same to that
+        for stat in ("mean", "p99", "max"):
+            assert int8["delta_logprob_vs_hf"][stat] == pytest.approx(int8["delta_logprob_vs_auto"][stat], abs=1e-4)
+        by_margin = int8["greedy_agreement_by_margin"]
+        assert by_margin["0.0"] == int8["greedy_agreement"]
         assert 0.0 < int8["delta_logprob_vs_auto"]["mean"] <= int8["delta_logprob_vs_auto"]["p99"] \
             <= int8["delta_logprob_vs_auto"]["max"] < 0.1
     cap = report["capacity"]["formats"]

@@ -1,6 +1,6 @@
 """The Triton kernels (under the interpreter) at tensor-parallel size 2 over Ray worker actors, on the
-newer families: Gemma 3 (window layers on the hybrid KV layout, query/key norms, head size 256 sharded
-to one KV head per rank) and Qwen3-MoE with whole experts per rank (``enable_expert_parallel``). Each
+newer families: Gemma 3 (window layers on the hybrid KV layout, query/key norms; the tiny preset's two
+KV heads of 64, one per rank) and Qwen3-MoE with whole experts per rank (``enable_expert_parallel``). Each
 gives the tokens of Hugging Face by teacher forcing, with chunked prefill across the window's edge, a
 prefix-cache hit and decodes, and each rank ran its attention, layer ops and fused MoE as Triton's."""
 

@@ -48,10 +48,12 @@ def test_rows_are_quantized_alone_and_round_trip_within_half_a_step():
         back = dequantize(codes, fmt)
         assert torch.equal(back[0, 0], torch.zeros(128))
         amax = rows.abs().amax(-1, keepdim=True)
-        # int8: half a step of amax / 127 (plus the scale's bfloat16 rounding); fp8: the relative step
-        # of its mantissa (3 bits e4m3, 2 bits e5m2) on each value, down to the format's smallest normal
-        rel = {"int8": 0.0, "fp8_e4m3": 2**-4, "fp8_e5m2": 2**-3}[fmt]
-        step = amax / 127 * 0.51 if fmt == "int8" else (rows.abs() * rel + amax * 2**-9)
+        # int8: half a step of amax / 127 (the scale rounded to bfloat16 moves it by up to 2^-9); fp8:
+        # half a spacing of the value's code (3 mantissa bits e4m3, 2 e5m2: 2^-4, 2^-3 of it), or, below
+        # the smallest normal code, half the smallest subnormal's (2^-10, 2^-17 in code units)
+        rel, floor = {"int8": (0.0, 0.0), "fp8_e4m3": (2**-4, 2**-10), "fp8_e5m2": (2**-3, 2**-17)}[fmt]
+        scale = quantize(rows, fmt)[..., -2:].contiguous().view(torch.bfloat16).float()
+        step = amax / 127 * 0.51 if fmt == "int8" else torch.maximum(rows.abs() * rel, scale * floor)
         assert bool(((back - rows).abs() <= step * 1.01 + 1e-30).all()), fmt
 
 
@@ -115,8 +117,8 @@ def test_a_prefix_hit_and_preemption_give_the_tokens_of_a_fresh_computation(llam
 
 
 def test_the_host_tier_holds_the_quantized_bytes(llama, prompts):
-    """A block evicted to the host tier and restored is the same uint8 block: the restored request's
-    tokens are the first run's."""
+    """The tier holds uint8 rows of head_dim + 2 bytes; a prompt whose blocks were evicted to it and
+    restored gets the first run's tokens."""
     with LLM(model=llama, kv_cache_dtype="fp8_e4m3", attention_backend="cpu", block_size=16, num_kv_blocks=24,
              max_model_len=352, num_host_kv_blocks=64) as llm:
         first = llm.generate({"prompt_token_ids": prompts[3]}, GREEDY)[0].outputs[0].token_ids
@@ -137,7 +139,15 @@ def test_the_format_is_in_metrics():
     assert 'kvserve:kv_cache_blocks{model_name="m",replica="r1"} 100.0' in text
 
 
-def test_the_setting_is_checked(llama):
+def test_the_setting_is_checked(llama, monkeypatch):
+    from typing import get_args
+
+    from engine.config import KV_CACHE_DTYPES as ENGINE_NAMES
+    from kernels.kv_quant import KV_CACHE_DTYPES
+    from kernels.torch_attention import TorchAttentionBackend
+
+    # the torch-free engine, the app's arguments and the kernels name the same formats
+    assert get_args(AppArgs.model_fields["kv_cache_dtype"].annotation) == ENGINE_NAMES == KV_CACHE_DTYPES
     assert AppArgs.model_validate({"kv_cache_dtype": "fp8"}).kv_cache_dtype == "fp8"
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
         AppArgs.model_validate({"kv_cache_dtype": "fp4"})
@@ -145,6 +155,10 @@ def test_the_setting_is_checked(llama):
         LLM(model=llama, kv_cache_dtype="nf4")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         build_app({"model": llama, "engine_kwargs": {"kv_cache_dtype": "fp4"}})
+    # a backend that cannot read a quantized pool refuses it at start, in one sentence
+    monkeypatch.setattr(TorchAttentionBackend, "supports_quantized_kv", False)
+    with pytest.raises(ValueError, match="^kv_cache_dtype 'int8' is not supported by the torch attention backend$"):
+        LLM(model=llama, attention_backend="torch", kv_cache_dtype="int8")
 
 
 @pytest.mark.parametrize("fmt", ("fp8_e4m3", "int8"))

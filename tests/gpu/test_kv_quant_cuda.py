@@ -53,6 +53,7 @@ def test_attention_over_a_quantized_pool_on_cuda(fmt, dtype, tol):
     num_blocks, bs, kv_heads, heads, d = 64, 16, 2, 8, 128
     pool_k = quantize(torch.randn(num_blocks, bs, kv_heads, d, generator=gen), fmt).cuda()
     pool_v = quantize(torch.randn(num_blocks, bs, kv_heads, d, generator=gen), fmt).cuda()
+    pool_k[0] = pool_v[0] = 0xFF  # the null block: NaN scales, so a padding read shows
     specs = [(1, 70), (1, 17), (20, 90), (33, 33)]
     order = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()
     tables = [[order.pop() for _ in range(-(-s // bs))] for _, s in specs]

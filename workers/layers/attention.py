@@ -12,7 +12,8 @@ class Attention(nn.Module):
     """Attention of this rank's heads against its KV pool shard.
 
     q [T, num_heads * head_dim], k/v [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim]; the
-    step's K/V are stored in ``kv_cache`` (k_pool, v_pool: [blocks, block_size, num_kv_heads, head_dim])
+    step's K/V are stored in ``kv_cache`` (k_pool, v_pool: [blocks, block_size, num_kv_heads, head_dim], or
+    head_dim + 2 bytes a row for a quantized pool)
     before attending. ``window`` > 0: a sliding-window layer (the query at position p sees the keys at
     positions > p - window); ``softcap`` > 0: scores soft-capped to softcap * tanh(s / softcap).
     ``table``: which of the step's tables the layer reads (``engine.kv_layout``: 0 the block table,
