@@ -138,8 +138,8 @@ def test_the_torch_decode_gather_stays_within_its_budget(monkeypatch):
     gathered = []
     real_gather = ta._gather
 
-    def recording_gather(pool, block_ids):
-        out = real_gather(pool, block_ids)
+    def recording_gather(pool, block_ids, *rest):
+        out = real_gather(pool, block_ids, *rest)
         gathered.append(out.numel() * out.element_size())
         return out
 
