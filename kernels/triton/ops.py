@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 # every launch goes through ``_launch`` (the warm-up's hooks see it); re-exported here
+from kernels.triton.kv_quant import check_pool, load_quantized, quantize_rows
 from kernels.triton.launch import INTERPRETED, LAUNCH_HOOKS, _launch, _p2  # noqa: F401
 
 _LOG2E = 1.4426950408889634
@@ -126,12 +127,12 @@ def _paged_attention_kernel(
                         + dims[None, :], mask=kv_ok, other=0.0)
             v = tl.load(v_pool_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
                         + dims[None, :], mask=kv_ok, other=0.0)
-        else:  # the stored codes and scales read in place, dequantized in registers to float32 (``_load_quantized``);
+        else:  # the stored codes and scales read in place, dequantized in registers to float32 (``kv_quant.load_quantized``);
             # tl.dot takes them in the query's dtype (a no-op for float32), the sums path keeps float32
             k_row = k_pool_ptr + block * stride_kb + within * stride_ks + kv_head * stride_kh  # [BLOCK_N] row starts
             v_row = v_pool_ptr + block * stride_vb + within * stride_vs + kv_head * stride_vh
-            k = _load_quantized(k_row, dims, kv_ok, pos_ok, HEAD_DIM, KV_FORMAT)
-            v = _load_quantized(v_row, dims, kv_ok, pos_ok, HEAD_DIM, KV_FORMAT)
+            k = load_quantized(k_row, dims, kv_ok, pos_ok, HEAD_DIM, KV_FORMAT)
+            v = load_quantized(v_row, dims, kv_ok, pos_ok, HEAD_DIM, KV_FORMAT)
             if USE_DOT:
                 k = k.to(q_ptr.dtype.element_ty)
                 v = v.to(q_ptr.dtype.element_ty)
@@ -169,90 +170,6 @@ def _paged_attention_kernel(
         tl.store(part_ptr + part_row[:, None] * HEAD_P2 + dims[None, :], acc, mask=out_mask)
         tl.store(part_m_ptr + part_row, m_i, mask=row_ok)
         tl.store(part_l_ptr + part_row, l_i, mask=row_ok)
-
-
-# --- quantized KV pools (``kernels.kv_quant``: THE byte layout) ----------------------------------------
-# KV_FORMAT (a constexpr: format 0 compiles as it always has): 0 the model's dtype, 1 float8 e4m3fn, 2 float8
-# e5m2, 3 int8 (``kernels.kv_quant.FORMAT_IDS``). A row is HEAD_DIM one-byte codes, then its scale as a
-# bfloat16 (low byte first). Codes are decoded arithmetically, not through Triton's float8 types: sm_80 has no
-# e4m3 conversion, and the interpreter's float8 rounding is not torch's. Both float8 formats decode exactly
-# through float16: e5m2 is a float16's high byte; e4m3's sign, 4 exponent and 3 mantissa bits placed in a
-# float16 (sign, exponent + 8 below its bias, mantissa) give the value / 256, subnormals included.
-
-
-@triton.jit
-def _decode_codes(codes, KV_FORMAT: tl.constexpr):
-    """uint8 codes -> their float32 values (without the scale)."""
-    c = codes.to(tl.int32)
-    if KV_FORMAT == 1:  # e4m3fn: s eeee mmm -> float16 s 0eeee mmm0000000, times 2**8
-        half = (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
-        return half.to(tl.float32) * 256.0
-    elif KV_FORMAT == 2:  # e5m2: the high byte of a float16
-        return (c << 8).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:  # int8: two's complement
-        return (c - ((c & 0x80) << 1)).to(tl.float32)
-
-
-@triton.jit
-def _load_quantized(row_ptr, dims, mask, row_mask, HEAD_DIM: tl.constexpr, KV_FORMAT: tl.constexpr):
-    """The dequantized rows [R, HEAD_P2] (float32) of the pool rows starting at ``row_ptr`` [R] (uint8):
-    each code times its row's bfloat16 scale (the two bytes after the codes); masked entries 0."""
-    codes = tl.load(row_ptr[:, None] + dims[None, :], mask=mask, other=0)
-    lo = tl.load(row_ptr + HEAD_DIM, mask=row_mask, other=0).to(tl.int32)
-    hi = tl.load(row_ptr + (HEAD_DIM + 1), mask=row_mask, other=0).to(tl.int32)
-    scale = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)  # a bfloat16 is a float32's high half
-    return _decode_codes(codes, KV_FORMAT) * scale[:, None]
-
-
-@triton.jit
-def _quantize_rows(x, KV_FORMAT: tl.constexpr):
-    """float32 rows x [R, HEAD_P2] (padding 0) -> (codes [R, HEAD_P2] int32 in 0..255, scale bits [R] int32,
-    a bfloat16's), exactly ``kernels.kv_quant.quantize``: scale = bf16_rne(amax / qmax) (1 for a row of
-    zeros), codes = rne(clamp(x / scale, -qmax, qmax)) in the format. The divisions are IEEE (div_rn: Triton's
-    ``/`` is an approximation on NVIDIA), the roundings integer and float32 arithmetic (exact everywhere)."""
-    if KV_FORMAT == 1:
-        QMAX: tl.constexpr = 448.0
-        MANT: tl.constexpr = 3
-        BIAS: tl.constexpr = 7
-        SUB: tl.constexpr = 512.0  # 1 / the subnormals' spacing, 2**(BIAS - 1 + MANT)
-    elif KV_FORMAT == 2:
-        QMAX: tl.constexpr = 57344.0
-        MANT: tl.constexpr = 2
-        BIAS: tl.constexpr = 15
-        SUB: tl.constexpr = 65536.0
-    else:
-        QMAX: tl.constexpr = 127.0
-        MANT: tl.constexpr = 0
-        BIAS: tl.constexpr = 0
-        SUB: tl.constexpr = 1.0
-    amax = tl.max(tl.abs(x), 1)
-    ratio = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
-    ratio = tl.where(amax > 0, ratio, 1.0)
-    bits = ratio.to(tl.uint32, bitcast=True)
-    scale_bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int32)  # round to nearest even (finite > 0)
-    scale_bits = tl.where(scale_bits > 0, scale_bits, 0x3F80)  # a scale rounded to 0 is 1 (bfloat16 1.0)
-    scale = (scale_bits << 16).to(tl.float32, bitcast=True)
-    y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-    if KV_FORMAT == 3:
-        r = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds |y| < 2**22 half to even
-        codes = r.to(tl.int32) & 0xFF
-    else:
-        ybits = y.to(tl.uint32, bitcast=True)
-        sign = ((ybits >> 24) & 0x80).to(tl.int32)
-        a = tl.abs(y)
-        # the spacing of the format's values at |y|: 2**(max(exponent, 1 - BIAS) - MANT)
-        e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-        e = tl.maximum(e, 1 - BIAS)
-        step = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
-        q = tl.math.div_rn(a, step)  # exact (a power of two), below 2**(MANT + 1)
-        r = ((q + 8388608.0) - 8388608.0) * step  # 2**23: round half to even; r is a value of the format
-        rbits = r.to(tl.uint32, bitcast=True)
-        re = ((rbits >> 23) & 0xFF).to(tl.int32) - 127
-        normal = ((re + BIAS) << MANT) | ((rbits >> (23 - MANT)) & ((1 << MANT) - 1)).to(tl.int32)
-        sub = tl.minimum(r * SUB, 256.0).to(tl.int32)  # exact (a power of two; the bound: lanes not taken)
-        codes = sign | tl.where(re >= 1 - BIAS, normal, sub)
-    return codes, scale_bits
 
 
 @triton.jit(do_not_specialize=["token_begin"])
@@ -301,12 +218,12 @@ def _store_kv_kernel(
                  k, mask=mask)
         tl.store(v_pool_ptr + block * stride_pvb + within * stride_pvs + heads[:, None] * stride_pvh + dims[None, :],
                  v, mask=mask)
-    else:  # each (token, head) row quantized to its codes and bfloat16 scale (``_quantize_rows``)
+    else:  # each (token, head) row quantized to its codes and bfloat16 scale (``kv_quant.quantize_rows``)
         row_mask = (heads < kv_heads) & ((tl.zeros([HEADS_P2], tl.int64) + slot) >= 0)
         k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
         v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
-        k_codes, k_scale = _quantize_rows(k.to(tl.float32), KV_FORMAT)
-        v_codes, v_scale = _quantize_rows(v.to(tl.float32), KV_FORMAT)
+        k_codes, k_scale = quantize_rows(k.to(tl.float32), KV_FORMAT)
+        v_codes, v_scale = quantize_rows(v.to(tl.float32), KV_FORMAT)
         k_row = k_pool_ptr + block * stride_pkb + within * stride_pks + heads * stride_pkh  # [HEADS_P2]
         v_row = v_pool_ptr + block * stride_pvb + within * stride_pvs + heads * stride_pvh
         tl.store(k_row[:, None] + dims[None, :], k_codes.to(tl.uint8), mask=mask)
@@ -329,9 +246,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_poo
     _, block_size, kv_heads, width = k_pool.shape
     head_dim = key.shape[-1]
     _check_last_axis(key=key, value=value, k_pool=k_pool, v_pool=v_pool)
-    if width != head_dim + (2 if kv_format else 0) or (kv_format and k_pool.dtype != torch.uint8):
-        raise ValueError(f"triton store_kv: a pool of {k_pool.dtype} rows of {width} for heads of {head_dim} "
-                         f"in KV format {kv_format}")
+    check_pool("triton store_kv", k_pool, head_dim, kv_format)
     constexprs = dict(HEAD_DIM=head_dim, HEAD_P2=_p2(head_dim), HEADS_P2=_p2(kv_heads))
     if kv_format:
         constexprs["KV_FORMAT"] = kv_format
@@ -387,9 +302,7 @@ def paged_attention_launch(
     group = num_heads // kv_heads
     head_p2 = _p2(head_dim, 16)  # tl.dot takes operands of 16 or more along every axis
     _check_last_axis(query=query, k_pool=k_pool, v_pool=v_pool, out=out)
-    if k_pool.shape[3] != head_dim + (2 if kv_format else 0) or (kv_format and k_pool.dtype != torch.uint8):
-        raise ValueError(f"triton attention: a pool of {k_pool.dtype} rows of {k_pool.shape[3]} for heads of "
-                         f"{head_dim} in KV format {kv_format}")
+    check_pool("triton attention", k_pool, head_dim, kv_format)
     if num_splits > 1:
         if scratch is None or scratch.rows < num_splits * num_tokens or not scratch.fits(num_heads, head_dim, out.device):
             have = f"{scratch.rows} rows x {scratch.num_heads} heads x {scratch.head_p2}" if scratch else "none"
