@@ -67,10 +67,21 @@ def run_config(model: str, workload: Workload, block_size: int, settings: dict, 
         "prefix_cache_queries": extra["prefix_cache_queries"],
         "num_preemptions": extra["num_preemptions"],
         "num_steps": extra["num_steps"],
+        "pool_blocks": after["num_kv_blocks"] - 1,  # the blocks the pool got (the null block aside)
         **tier,
         "host_kv_cache_usage": after["host_kv_cache_usage"],
         "token_ids": [r.token_ids for r in records],
     }
+
+
+def best_rounds(rounds: dict[str, list[dict]]) -> dict[str, dict]:
+    """Each configuration's round of the most output tok/s, with every round's beside it
+    (``rounds_output_tokens_per_s``)."""
+    best = {}
+    for name, runs in rounds.items():
+        best[name] = dict(max(runs, key=lambda run: run["output_tokens_per_s"]))
+        best[name]["rounds_output_tokens_per_s"] = [run["output_tokens_per_s"] for run in runs]
+    return best
 
 
 def bench_host_tier(model: str, *, num_users: int = 16, num_turns: int = 4, output_len: int = 48,
@@ -85,10 +96,7 @@ def bench_host_tier(model: str, *, num_users: int = 16, num_turns: int = 4, outp
         for name in configs:
             rounds[name].append(run_config(model, workload, block_size, settings[name], **engine_kwargs))
     tokens = [run.pop("token_ids") for runs_ in rounds.values() for run in runs_]
-    runs = {}
-    for name, runs_ in rounds.items():
-        runs[name] = max(runs_, key=lambda run: run["output_tokens_per_s"])
-        runs[name]["rounds_output_tokens_per_s"] = [run["output_tokens_per_s"] for run in runs_]
+    runs = best_rounds(rounds)
     report = {
         "model": model,
         "workload": {"description": workload.description, "num_requests": len(workload.requests),

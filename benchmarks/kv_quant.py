@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 
-from benchmarks.host_tier import conversation_blocks
-from benchmarks.offline import kvserve_engine, run_instance
+from benchmarks.host_tier import best_rounds, conversation_blocks, plan, run_config
+from benchmarks.offline import kvserve_engine
 from benchmarks.workloads import Workload, multi_turn, shared_system_prompt
 from engine import LLM, SamplingParams
 
@@ -132,29 +131,15 @@ def speed(model: str, formats, block_size: int, pool_share: float, repeat: int, 
                         max_model_len=block_size, **engine_kwargs) as llm:
         auto_block = llm.stats()["kv_bytes_per_block_per_rank"]
     total = conversation_blocks(workload, block_size)
-    kv_bytes = (max(int(round(total * pool_share)), -(-workload.max_len // block_size)) + 1) * auto_block
+    kv_bytes = plan(workload, block_size, pool_share)["tier-off"]["num_kv_blocks"] * auto_block
     rounds: dict[str, list[dict]] = {fmt: [] for fmt in formats}
     for _ in range(repeat):
         for fmt in formats:
-            start = time.perf_counter()
-            with kvserve_engine(model, enable_prefix_caching=True, kv_cache_dtype=fmt, block_size=block_size,
-                                kv_cache_memory_bytes=kv_bytes, max_model_len=workload.max_len,
-                                **engine_kwargs) as llm:
-                startup = time.perf_counter() - start
-                llm.generate({"prompt_token_ids": [1, 2, 3]},
-                             SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-                assert llm.reset_prefix_cache()
-                records, elapsed, extra = run_instance(llm, workload)
-                blocks = llm.stats()["num_kv_blocks"] - 1
-            tokens = sum(len(r.token_ids) for r in records)
-            rounds[fmt].append({"num_kv_blocks": blocks, "startup_s": startup, "elapsed_s": elapsed,
-                                "output_tokens_per_s": tokens / elapsed,
-                                "prefix_cache_hit_rate": extra["prefix_cache_hit_rate"],
-                                "num_preemptions": extra["num_preemptions"]})
-    runs = {}
-    for fmt, rs in rounds.items():
-        runs[fmt] = dict(max(rs, key=lambda r: r["output_tokens_per_s"]))
-        runs[fmt]["rounds_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in rs]
+            run = run_config(model, workload, block_size, {"kv_cache_memory_bytes": kv_bytes}, kv_cache_dtype=fmt,
+                             **engine_kwargs)
+            del run["token_ids"]
+            rounds[fmt].append(run)
+    runs = best_rounds(rounds)
     for fmt in formats:
         runs[fmt]["tokens_per_s_vs_auto"] = runs[fmt]["output_tokens_per_s"] / runs["auto"]["output_tokens_per_s"]
     return {"workload": workload.description, "conversation_blocks": total, "pool_share_at_auto": pool_share,
@@ -218,7 +203,7 @@ def format_kv_quant_report(report: dict) -> str:
                   "| format | pool blocks | prefix hit rate | output tok/s | x auto | preemptions | every round |",
                   "|---|---:|---:|---:|---:|---:|---|"]
         for fmt, r in sp["runs"].items():
-            lines.append(f"| {fmt} | {r['num_kv_blocks']} | {r['prefix_cache_hit_rate']:.3f} | "
+            lines.append(f"| {fmt} | {r['pool_blocks']} | {r['prefix_cache_hit_rate']:.3f} | "
                          f"{r['output_tokens_per_s']:.1f} | {r['tokens_per_s_vs_auto']:.2f} | {r['num_preemptions']} | "
                          + " / ".join(f"{x:.1f}" for x in r["rounds_output_tokens_per_s"]) + " |")
     return "\n".join(lines)

@@ -80,7 +80,7 @@ def _gather(pool: torch.Tensor, block_ids: torch.Tensor, kv_format: str = "auto"
     _, block_size, kv_heads, width = pool.shape
     out = pool.index_select(0, block_ids.reshape(-1))
     out = out.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, width)
-    return dequantize_pool(out, kv_format, dtype) if is_quantized(kv_format) else out
+    return dequantize_pool(out, kv_format, dtype)
 
 
 def paged_decode_attention(
