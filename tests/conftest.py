@@ -194,7 +194,7 @@ def hf_cache(model_dirs, tmp_path_factory) -> dict[str, str]:
 SERVE_ENV_KEYS = ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP",
                   "RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S",
                   "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
-                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")
+                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "RAY_health_check_failure_threshold")
 
 
 @pytest.fixture(autouse=True)
