@@ -20,7 +20,8 @@ namespace kvserve {
 
 constexpr int kPanel = 2 * W;                 // columns per packed panel
 constexpr int kTileRows = W == 16 ? 12 : 6;   // rows per register tile (2 x kTileRows accumulators)
-constexpr int64_t kDepth = 256;               // inputs per pass: a panel's kDepth x kPanel block stays in L1
+constexpr int64_t kDepth = 192;               // inputs per pass: a panel's kDepth x kPanel block (24 KiB) stays in
+                                              // L1 beside a row tile's copy (9 KiB): 256 left too little room
 constexpr int64_t kRowBlock = 20 * kTileRows; // rows per block: their copy of a depth pass stays in L2
 constexpr int64_t kColBlock = 128 / kPanel;   // panels per block: a block's accumulators (kRowBlock x 128) stay in L2
 

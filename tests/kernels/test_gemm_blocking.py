@@ -1,5 +1,5 @@
 """The packed product's blocking (kernels/cpu/gemm.cpp): row tiles, row blocks split evenly, column
-blocks of 128 columns and depth passes of 256, at tails of each and at the widths of real models,
+blocks of 128 columns and depth passes of 192 (gemm.h's kDepth), at tails of each and at the widths of real models,
 against float64 products; its batch invariance at several thread counts where the work is split by
 row blocks; and the FMA peak op the benchmark measures against."""
 
@@ -52,9 +52,9 @@ def _check(rows: int, k: int, n: int, threads: int = 2, bias: bool = True) -> No
 
 
 # rows around the tile and the row block (a block of ROW_BLOCK rows, the tiles of more split evenly
-# into blocks); depths around a pass of 256; a width that is one column block and a panel
+# into blocks); depths around one and two passes of 192; a width that is one column block and a panel
 @pytest.mark.parametrize("rows", [1, TILE - 1, TILE + 1, ROW_BLOCK - 1, ROW_BLOCK + 1, 2 * ROW_BLOCK + TILE + 3, 517])
-@pytest.mark.parametrize("k", [1, 7, 255, 257, 513])
+@pytest.mark.parametrize("k", [1, 7, 191, 193, 385, 513])
 def test_tails_of_tiles_blocks_and_passes(rows, k):
     _check(rows, k, 128 + PANEL)
 
