@@ -45,7 +45,7 @@ LONG_MODULES = {
     "tests/benchmarks/test_gpu_bench.py": 72, "tests/benchmarks/test_fresh_bench.py": 68,
     "tests/serve/test_fleet.py": 65, "tests/kernels/triton/test_triton_warmup.py": 65,
     "tests/serve/test_serve_cli.py": 63, "tests/kernels/triton/test_triton_graphs.py": 51,
-    "tests/cluster/test_tensor_parallel.py": 49, "tests/serve/test_autoscaling.py": 43,
+    "tests/cluster/test_tensor_parallel.py": 140, "tests/serve/test_autoscaling.py": 43,
     "tests/kernels/triton/test_triton_gemma.py": 42, "tests/benchmarks/test_online_vllm.py": 40,
     "tests/serve/test_serve_app.py": 40, "tests/kernels/triton/test_triton_deterministic.py": 40,
     "tests/cluster/test_gemma_tp.py": 39, "tests/serve/test_overload.py": 36,

@@ -46,3 +46,21 @@ def test_tp2_matches_hf_and_tp1(arch, built, ray_cluster):
     assert tight == tp1 and roomy == tp1
     for prompt, out in zip(prompts, tight):
         gemma_oracle(arch).assert_greedy(prompt, out)
+
+
+def test_gemma3_hybrid_layout_with_an_int8_pool_at_tp2(built, ray_cluster):
+    """Gemma 3's hybrid KV layout (window pages beside the block table) over an int8 pool at TP 2, in a
+    pool small enough to preempt: the tokens of TP 1 in the same format, the window groups in use,
+    and every block and window page back at the end."""
+    path = gemma_dir("gemma3")
+    prompts = make_prompts(path)
+    kwargs = dict(num_kv_blocks=TIGHT_PAGES["gemma3"], kv_cache_dtype="int8", **TIGHT)
+    with LLM(model=path, **kwargs) as llm1:
+        tp1 = generate(llm1, prompts)
+    with LLM(model=path, tensor_parallel_size=2, **kwargs) as llm:
+        tokens = generate(llm, prompts)
+        stats = llm.stats()
+    assert tokens == tp1
+    assert stats["kv_cache_dtype"] == "int8" and stats["kv_window_groups"] > 0
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_blocks_in_use"] == 0 and stats["kv_window_pages_held"] == 0

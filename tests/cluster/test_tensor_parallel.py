@@ -141,3 +141,31 @@ def test_bench_tp_smoke_covers_both_dispatch_modes(ray_cluster, model_dirs):
         assert run["startup_s"] > 0 and run["output_tokens_per_s"] > 0
         assert 0 <= run["dispatch_us_median"] <= run["dispatch_us_p90"]
     assert "| 2 | compiled |" in format_tp_report(report)
+
+
+@pytest.mark.parametrize("fmt", ("int8", "fp8_e4m3"))
+def test_tp2_with_a_quantized_pool(fmt, ray_cluster, model_dirs, hf_oracle):
+    """A quantized pool at TP=2: each rank quantizes the rows of its own KV head (a row's scale is its
+    own, so the split changes no byte), the same greedy tokens as TP=1 in the format, prompt logprobs
+    within the format's measured error of HF's (tests/e2e/test_kv_quant.py), each rank half the
+    TP=1 pool's bytes, in uint8 rows of head_dim codes + a 2-byte scale."""
+    from tests.e2e.test_kv_quant import TOL
+
+    prompts = make_prompts(model_dirs["llama"])[1:6]
+    kwargs = dict(kv_cache_dtype=fmt, block_size=16, num_kv_blocks=128, max_model_len=1024, max_num_batched_tokens=64)
+    with LLM(model=model_dirs["llama"], **kwargs) as llm1:
+        tp1_tokens, tp1 = generate(llm1, prompts), llm1.stats()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    with LLM(model=model_dirs["llama"], tensor_parallel_size=2, **kwargs) as llm:
+        tokens = generate(llm, prompts)
+        scored = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        stats = llm.stats()
+    assert tokens == tp1_tokens
+    worst = max(abs(out.prompt_logprobs[pos][prompt[pos]][0] - float(hf_oracle("llama").log_softmax(prompt)[pos - 1, prompt[pos]]))
+                for prompt, out in zip(prompts, scored) for pos in range(1, len(prompt)))
+    assert TOL["auto"] < worst <= TOL[fmt]  # quantized, within the format's error
+    assert stats["kv_cache_dtype"] == tp1["kv_cache_dtype"] == fmt
+    head_dim = 16  # llama tiny: 2 KV heads of 16, one per rank
+    assert stats["kv_bytes_per_block_per_rank"] == 16 * 1 * (head_dim + 2) * 2 * 2  # tokens x heads x row x K,V x layers
+    assert stats["kv_pool_bytes_by_rank"] == [tp1["kv_pool_bytes_per_rank"] // 2] * 2
+    assert stats["num_blocks_in_use"] == 0
