@@ -157,9 +157,9 @@ void gemm_items(const float* packed_a, int64_t m, int64_t k, const float* panels
         // from memory once per row block, and without this its first tile waited for it (the whole
         // product 10-15% slower on a Sapphire Rapids core)
         const bool same_depth = p + 1 < p1;
-        const char* next = reinterpret_cast<const char*>(
-            same_depth ? bp + k * kPanel : panels + p0 * k * kPanel + (k0 + kDepth) * kPanel);
         const int64_t next_kc = same_depth ? kc : std::max<int64_t>(0, std::min(kDepth, k - k0 - kDepth));
+        const char* next = reinterpret_cast<const char*>(
+            same_depth ? bp + k * kPanel : next_kc > 0 ? panels + p0 * k * kPanel + (k0 + kDepth) * kPanel : bp);
         const int64_t lines = next_kc * kPanel * static_cast<int64_t>(sizeof(float)) / 64;
         const int64_t tiles = (m1 - m0) / kTileRows;
         for (int64_t r0 = m0, t = 0; r0 < m1; r0 += kTileRows, ++t) {
