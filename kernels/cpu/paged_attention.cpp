@@ -14,7 +14,13 @@
 //
 // Work is split into items (sequence or group) x KV head x tile of query tokens; all query heads of
 // one KV head form the rows of a tile, so K/V are never repeated for grouped-query attention. Items
-// are handed out dynamically to torch's intra-op threads.
+// are handed out dynamically to torch's intra-op threads, biggest first, one sequence and KV head's
+// items after another (order_items).
+//
+// Rows of an item: decode-sized items (fewer than W/2 rows) take the few-rows path, vectorised over
+// head_dim; prefill chunks the row-vectorised path, W query rows per vector, whose two products per
+// 32-key tile (the scores, then the values weighted by the probabilities) are register-blocked
+// micro-kernels (score_tile, accumulate_rows) over the queries transposed once per item.
 //
 // Fixed order (the engine's deterministic mode): every row takes the few-rows path (vectorised over
 // head_dim), whatever the number of rows in its item. A row's arithmetic then depends on nothing but
@@ -67,6 +73,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -116,15 +123,34 @@ inline void soft_cap(float* s, int n, float cap) {
   for (int i = 0; i < n; i += W) vstore(s + i, cap * vtanh(vload(s + i) * inv));
 }
 
+// Cache-line aligned storage for the scratch: a vector load or store of a row that straddles two lines
+// costs two L1 accesses, and the kernels' loops are bound by those (a 16-byte aligned heap block made
+// every AVX-512 access of q, acc and the scores a split one: about 25% slower row-vectorised loops).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* ptr, size_t) { ::operator delete(ptr, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <typename T>
+using aligned_vector = std::vector<T, LineAligned<T>>;
+
 // Per-thread scratch, grown once and reused across calls.
 struct Scratch {
-  std::vector<float> q;    // [rows][head_dim], scaled queries
-  std::vector<float> qt;   // [head_dim][padded rows], transposed queries
-  std::vector<float> s;    // scores, then probabilities
-  std::vector<float> acc;  // [rows][head_dim]
-  std::vector<float> kv;   // [2][kKeyTile][head_dim]: a key/value tile converted to float (half types)
-  std::vector<float> zeros;  // [head_dim]: the key and value of a position in a block below every row's window
-  std::vector<float> m, l, alpha;
+  aligned_vector<float> q;    // [rows][head_dim], scaled queries (the few-rows path)
+  aligned_vector<float> qt;   // [head_dim][padded rows], transposed scaled queries (the row-vectorised path)
+  aligned_vector<float> s;    // scores, then probabilities
+  aligned_vector<float> acc;  // [rows][head_dim]
+  aligned_vector<float> kv;   // [2][kKeyTile][head_dim]: a key/value tile converted to float (half types)
+  aligned_vector<float> zeros;  // [head_dim]: the key and value of a position in a block below every row's window
+  aligned_vector<float> m, l, alpha;
   std::vector<int32_t> limit;  // per row: keys at positions < limit are visible
   std::vector<int32_t> lower;  // per row: and at positions >= lower
 
@@ -197,6 +223,206 @@ void accumulate_values(float* acc, int rows, int dv, const float* alpha, const f
   }
 }
 
+// The row-vectorised path (prefill chunks): a tile's scores and its update of the accumulators are two
+// small matrix products, S = Q K^T (rows x keys, over head_dim) and acc += P V (rows x head_dim, over
+// the tile's keys). Each keeps a block of outputs in registers, sized so that the block's vector FMAs
+// outnumber its loads and fill both FMA ports (each FMA waits 4 cycles for its accumulator's last one:
+// 8 independent accumulators at the least, 16 to 24 with room for the loads to run ahead).
+
+// Row vectors x keys of a block of scores: 4W rows x 6 keys with AVX-512's 32 registers (24
+// accumulators; per head_dim element 4 query vectors and 6 key broadcasts), 2W x 4 with 16 registers.
+// Blocks of fewer rows (the last ones of a tile, few-row items) take 8 keys; a tile's last keys take
+// blocks of 4, 2 and 1.
+constexpr int kScoreRowVectors = kVectorRegisters >= 32 ? 4 : 2;
+constexpr int kScoreKeys = kVectorRegisters >= 32 ? 6 : 4;
+constexpr int kScoreKeysNarrow = 8;
+
+// s[(j + b) * rp + c + v * W ...] = q . k_{j + b} for RV row vectors from row c and KB keys from j, with
+// qt the scaled queries transposed ([head_dim][rp]).
+// (The blocks are inlined into each caller, where the head size is a constant: always_inline, since the
+// compiler's budget for this file, with its 21 instantiations of attend, otherwise leaves them calls.)
+#define KVSERVE_INLINE __attribute__((always_inline)) inline
+
+template <int RV, int KB>
+KVSERVE_INLINE void score_block(const float* __restrict__ qt, int rp, int c, const float* const* kf, int j, int d,
+                                float* __restrict__ s) {
+  vf a[RV][KB];
+  for (int v = 0; v < RV; ++v)
+    for (int b = 0; b < KB; ++b) a[v][b] = vf{};
+  const float* kb[KB];
+  for (int b = 0; b < KB; ++b) kb[b] = kf[j + b];
+  const float* qc = qt + c;
+  for (int k = 0; k < d; ++k) {
+    vf x[RV];
+    for (int v = 0; v < RV; ++v) x[v] = vload(qc + k * rp + v * W);
+    for (int b = 0; b < KB; ++b) {
+      const float e = kb[b][k];
+      for (int v = 0; v < RV; ++v) a[v][b] += x[v] * e;
+    }
+  }
+  for (int b = 0; b < KB; ++b)
+    for (int v = 0; v < RV; ++v) vstore(s + (j + b) * rp + c + v * W, a[v][b]);
+}
+
+// The next tile's key and value rows, asked for (into L2) a few rows before each block of keys of this
+// tile's scores instead of all at once: a burst of a tile's 512 prefetches of rows in L3 or DRAM holds
+// the L1's fill buffers for thousands of cycles and stalls the demand loads behind them.
+struct TilePrefetch {
+  const char* rows[2 * kKeyTile];
+  int count = 0, bytes = 0, done = 0;
+  void issue(int upto) {
+    for (upto = std::min(upto, count); done < upto; ++done)
+      for (int line = 0; line < bytes; line += 64) __builtin_prefetch(rows[done] + line, 0, 2);
+  }
+};
+
+template <int RV, int KB>
+KVSERVE_INLINE void score_rows(const float* qt, int rp, int c, const float* const* kf, int n, int d, float* s,
+                               TilePrefetch* pf) {
+  const int blocks = n / KB;
+  int j = 0;
+  for (int b = 1; j + KB <= n; j += KB, ++b) {
+    if (pf) pf->issue((b * pf->count + blocks - 1) / blocks);
+    score_block<RV, KB>(qt, rp, c, kf, j, d, s);
+  }
+  if (pf) pf->issue(pf->count);
+  if constexpr (KB > 4) {
+    if (j + 4 <= n) {
+      score_block<RV, 4>(qt, rp, c, kf, j, d, s);
+      j += 4;
+    }
+  }
+  if constexpr (KB > 2) {
+    if (j + 2 <= n) {
+      score_block<RV, 2>(qt, rp, c, kf, j, d, s);
+      j += 2;
+    }
+  }
+  if (j < n) score_block<RV, 1>(qt, rp, c, kf, j, d, s);
+}
+
+// s[j * rp + r] = q_r . k_j for the rp (padded) rows and the n keys of a tile; pf's rows asked for along
+// the first block of rows.
+inline void score_tile(const float* qt, int rp, const float* const* kf, int n, int d, float* s, TilePrefetch& pf) {
+  int c = 0;
+  for (; c + kScoreRowVectors * W <= rp; c += kScoreRowVectors * W)
+    score_rows<kScoreRowVectors, kScoreKeys>(qt, rp, c, kf, n, d, s, c == 0 ? &pf : nullptr);
+  if constexpr (kScoreRowVectors > 2) {
+    for (; c + 2 * W <= rp; c += 2 * W)
+      score_rows<2, kScoreKeysNarrow>(qt, rp, c, kf, n, d, s, c == 0 ? &pf : nullptr);
+  }
+  for (; c < rp; c += W) score_rows<1, kScoreKeysNarrow>(qt, rp, c, kf, n, d, s, c == 0 ? &pf : nullptr);
+}
+
+// Rows x vectors of head_dim of a block of accumulators: 6 x 4 with 32 registers (24 accumulators; per
+// key 4 value vectors and 6 probability broadcasts), 4 x 2 with 16.
+constexpr int kValueRows = kVectorRegisters >= 32 ? 6 : 4;
+constexpr int kValueVectors = kVectorRegisters >= 32 ? 4 : 2;
+
+// acc[r + b][c0 ...] = alpha[r + b] * acc[r + b][c0 ...] + sum_j p(r + b, j) v_j[c0 ...] for RB rows from r
+// and CB vectors from element c0, with p(r, j) = prob[j * rp + r].
+template <int RB, int CB>
+KVSERVE_INLINE void value_block(float* __restrict__ acc, int r, int c0, int d, const float* __restrict__ alpha,
+                                const float* __restrict__ prob, int rp, const float* const* v, int n) {
+  vf a[RB][CB];
+  for (int b = 0; b < RB; ++b) {
+    const float al = alpha[r + b];
+    for (int c = 0; c < CB; ++c) a[b][c] = vload(acc + (r + b) * d + c0 + c * W) * al;
+  }
+  for (int j = 0; j < n; ++j) {
+    const float* vj = v[j] + c0;
+    const float* pj = prob + j * rp + r;
+    vf x[CB];
+    for (int c = 0; c < CB; ++c) x[c] = vload(vj + c * W);
+    for (int b = 0; b < RB; ++b) {
+      const float e = pj[b];
+      for (int c = 0; c < CB; ++c) a[b][c] += e * x[c];
+    }
+  }
+  for (int b = 0; b < RB; ++b)
+    for (int c = 0; c < CB; ++c) vstore(acc + (r + b) * d + c0 + c * W, a[b][c]);
+}
+
+// value_block over all rows for the CB vectors from c0: blocks of kValueRows, then 4, 2 and 1 rows.
+template <int CB>
+KVSERVE_INLINE void value_rows(float* acc, int rows, int c0, int d, const float* alpha, const float* prob, int rp,
+                               const float* const* v, int n) {
+  int r = 0;
+  for (; r + kValueRows <= rows; r += kValueRows)
+    value_block<kValueRows, CB>(acc, r, c0, d, alpha, prob, rp, v, n);
+  if constexpr (kValueRows > 4) {
+    if (r + 4 <= rows) {
+      value_block<4, CB>(acc, r, c0, d, alpha, prob, rp, v, n);
+      r += 4;
+    }
+  }
+  if (r + 2 <= rows) {
+    value_block<2, CB>(acc, r, c0, d, alpha, prob, rp, v, n);
+    r += 2;
+  }
+  if (r < rows) value_block<1, CB>(acc, r, c0, d, alpha, prob, rp, v, n);
+}
+
+// acc[r] = alpha[r] * acc[r] + sum_j p(r, j) v_j for rows [0, rows), with p(r, j) = prob[j * rp + r]: the
+// head dimension in slices of kValueVectors vectors (then 2 and 1), each slice over all rows while that
+// slice of the tile's value rows stays in L1. Each element of acc takes its products in key order, one
+// FMA each, as accumulate_values does.
+template <int DV>
+void accumulate_rows(float* acc, int rows, int dv, const float* alpha, const float* prob, int rp,
+                     const float* const* v, int n) {
+  const int nv = DV > 0 ? DV : dv;
+  const int d = nv * W;
+  int c = 0;
+  for (; c + kValueVectors <= nv; c += kValueVectors)
+    value_rows<kValueVectors>(acc, rows, c * W, d, alpha, prob, rp, v, n);
+  if constexpr (kValueVectors > 2) {
+    if (c + 2 <= nv) {
+      value_rows<2>(acc, rows, c * W, d, alpha, prob, rp, v, n);
+      c += 2;
+    }
+  }
+  if (c < nv) value_rows<1>(acc, rows, c * W, d, alpha, prob, rp, v, n);
+}
+
+// W values of x as floats.
+template <typename scalar_t>
+inline vf load_floats(const scalar_t* x) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return vload(x);
+  } else {
+    vf v;
+    for (int i = 0; i < W; ++i) v[i] = to_float(x[i]);
+    return v;
+  }
+}
+
+// Lanes [0, W/2) of a and b interleaved (a0 b0 a1 b1 ...), and lanes [W/2, W).
+#if defined(__AVX512F__)
+inline vf interleave_lo(vf a, vf b) {
+  return KVSERVE_SHUFFLE(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+}
+inline vf interleave_hi(vf a, vf b) {
+  return KVSERVE_SHUFFLE(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+#else
+inline vf interleave_lo(vf a, vf b) { return KVSERVE_SHUFFLE(a, b, 0, 8, 1, 9, 2, 10, 3, 11); }
+inline vf interleave_hi(vf a, vf b) { return KVSERVE_SHUFFLE(a, b, 4, 12, 5, 13, 6, 14, 7, 15); }
+#endif
+
+// A W x W block in W vectors transposed in registers: log2(W) rounds, each interleaving vector i with
+// vector i + W/2 (read an element's vector and lane indices as one number of 2 log2(W) bits: a round
+// rotates it by one bit, so log2(W) rounds swap the two halves).
+inline void transpose(vf* t) {
+  for (int round = 1; round < W; round *= 2) {
+    vf u[W];
+    for (int i = 0; i < W / 2; ++i) {
+      u[2 * i] = interleave_lo(t[i], t[i + W / 2]);
+      u[2 * i + 1] = interleave_hi(t[i], t[i + W / 2]);
+    }
+    for (int i = 0; i < W; ++i) t[i] = u[i];
+  }
+}
+
 // One work item: `num_tokens` query tokens (flat indices `tokens`, key limits `limits`, window
 // bounds `lowers`) and the query heads of KV head `kv_head` against keys [kv_begin, max limit) of
 // block table `table`.
@@ -239,12 +465,31 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   // scores vectorised over rows; else over head_dim (decode-sized items, and every item in fixed order)
   const bool by_rows = !p.fixed_order && rows >= W / 2;
 
+  // A prefill item's query rows (a few KiB apart, out of the cache since the projection wrote them) all
+  // asked for at once rather than W at a time by the transposition, and its output rows made writable
+  // while the item runs rather than by the stores at its end.
+  if (by_rows) {
+    const int64_t row_bytes = static_cast<int64_t>(d) * sizeof(scalar_t);
+    for (int r = 0; r < rows; ++r) {
+      const int tok = tokens[r / g];
+      const int head = kv_head * g + r % g;
+      const char* src = reinterpret_cast<const char*>(p.query + tok * p.q_tok_stride + head * p.q_head_stride);
+      const char* o = reinterpret_cast<const char*>(p.out + tok * p.out_tok_stride + head * d);
+      for (int64_t line = 0; line < row_bytes; line += 64) {
+        __builtin_prefetch(src + line);
+        __builtin_prefetch(o + line, 1);
+      }
+    }
+  }
+
   for (int r = 0; r < rows; ++r) {
     const int tok = tokens[r / g];
     const int head = kv_head * g + r % g;
-    const scalar_t* src = p.query + tok * p.q_tok_stride + head * p.q_head_stride;
-    float* dst = q + r * d;
-    for (int k = 0; k < d; ++k) dst[k] = to_float(src[k]) * p.scale;
+    if (!by_rows) {
+      const scalar_t* src = p.query + tok * p.q_tok_stride + head * p.q_head_stride;
+      float* dst = q + r * d;
+      for (int k = 0; k < d; ++k) dst[k] = to_float(src[k]) * p.scale;
+    }
     limit[r] = limits[r / g];
     lower[r] = lowers[r / g];
     float* a = acc + r * d;
@@ -265,11 +510,20 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     m[r] = kNegInf;
     l[r] = 0.0f;
   }
-  if (by_rows) {
-    for (int k = 0; k < d; ++k) {
-      float* col = qt + k * rows_padded;
-      for (int r = 0; r < rows; ++r) col[r] = q[r * d + k];
-      for (int r = rows; r < rows_padded; ++r) col[r] = 0.0f;
+  if (by_rows) {  // qt[k][r] = q_r[k] * scale (padding rows 0), W x W blocks transposed in registers
+    for (int r0 = 0; r0 < rows_padded; r0 += W) {
+      const scalar_t* src[W];
+      for (int i = 0; i < W; ++i) {
+        const int r = r0 + i;
+        src[i] = r < rows ? p.query + tokens[r / g] * p.q_tok_stride + (kv_head * g + r % g) * p.q_head_stride
+                          : nullptr;
+      }
+      for (int k0 = 0; k0 < d; k0 += W) {
+        vf t[W];
+        for (int i = 0; i < W; ++i) t[i] = src[i] ? load_floats(src[i] + k0) * p.scale : vf{};
+        transpose(t);
+        for (int i = 0; i < W; ++i) vstore(qt + (k0 + i) * rows_padded + r0, t[i]);
+      }
     }
   }
 
@@ -291,12 +545,22 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     // not follow a block table, so the next tile's rows are asked for while this one is computed.
     const int next_n = std::min(kKeyTile, kv_end - start - kKeyTile);
     tile_slots(p, table, start + kKeyTile, next_n, head_offset, next_slots);
-    for (int j = 0; j < next_n; ++j) {
-      const char* kr = k_base + next_slots[j] * elem_bytes;
-      const char* vr = v_base + next_slots[j] * elem_bytes;
-      for (int64_t line = 0; line < row_bytes; line += 64) {
-        __builtin_prefetch(kr + line);
-        __builtin_prefetch(vr + line);
+    // (The row-vectorised path spreads its prefetches over the tile's scores: TilePrefetch.)
+    TilePrefetch pf;
+    if (by_rows) {
+      pf.bytes = static_cast<int>(row_bytes);
+      for (int j = 0; j < next_n; ++j) {
+        pf.rows[pf.count++] = k_base + next_slots[j] * elem_bytes;
+        pf.rows[pf.count++] = v_base + next_slots[j] * elem_bytes;
+      }
+    } else {
+      for (int j = 0; j < next_n; ++j) {
+        const char* kr = k_base + next_slots[j] * elem_bytes;
+        const char* vr = v_base + next_slots[j] * elem_bytes;
+        for (int64_t line = 0; line < row_bytes; line += 64) {
+          __builtin_prefetch(kr + line);
+          __builtin_prefetch(vr + line);
+        }
       }
     }
     for (int j = 0; j < n; ++j) {
@@ -329,76 +593,20 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     std::swap(slots, next_slots);
     const bool masked = start + n > min_limit || start < max_lower;
     if (by_rows) {
-      // s[j * rows_padded + r] = q_r . k_j, W rows per vector; 2W rows x 4 keys per pass where
-      // there are 2W rows (each key element loaded once for both vectors), else W x 4
-      int c = 0;
-      for (; c + 2 * W <= rows_padded; c += 2 * W) {
-        int j = 0;
-        for (; j + 4 <= n; j += 4) {
-          vf a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
-          const float *k0 = kf[j], *k1 = kf[j + 1], *k2 = kf[j + 2], *k3 = kf[j + 3];
-          for (int k = 0; k < d; ++k) {
-            const vf x = vload(qt + k * rows_padded + c);
-            const vf y = vload(qt + k * rows_padded + c + W);
-            const float e0 = k0[k], e1 = k1[k], e2 = k2[k], e3 = k3[k];
-            a0 += x * e0;
-            b0 += y * e0;
-            a1 += x * e1;
-            b1 += y * e1;
-            a2 += x * e2;
-            b2 += y * e2;
-            a3 += x * e3;
-            b3 += y * e3;
-          }
-          vstore(s + (j + 0) * rows_padded + c, a0);
-          vstore(s + (j + 1) * rows_padded + c, a1);
-          vstore(s + (j + 2) * rows_padded + c, a2);
-          vstore(s + (j + 3) * rows_padded + c, a3);
-          vstore(s + (j + 0) * rows_padded + c + W, b0);
-          vstore(s + (j + 1) * rows_padded + c + W, b1);
-          vstore(s + (j + 2) * rows_padded + c + W, b2);
-          vstore(s + (j + 3) * rows_padded + c + W, b3);
-        }
-        for (; j < n; ++j) {
-          vf a0 = {}, b0 = {};
-          const float* k0 = kf[j];
-          for (int k = 0; k < d; ++k) {
-            a0 += vload(qt + k * rows_padded + c) * k0[k];
-            b0 += vload(qt + k * rows_padded + c + W) * k0[k];
-          }
-          vstore(s + j * rows_padded + c, a0);
-          vstore(s + j * rows_padded + c + W, b0);
-        }
-      }
-      for (; c < rows_padded; c += W) {
-        int j = 0;
-        for (; j + 4 <= n; j += 4) {
-          vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
-          const float *k0 = kf[j], *k1 = kf[j + 1], *k2 = kf[j + 2], *k3 = kf[j + 3];
-          for (int k = 0; k < d; ++k) {
-            const vf x = vload(qt + k * rows_padded + c);
-            a0 += x * k0[k];
-            a1 += x * k1[k];
-            a2 += x * k2[k];
-            a3 += x * k3[k];
-          }
-          vstore(s + (j + 0) * rows_padded + c, a0);
-          vstore(s + (j + 1) * rows_padded + c, a1);
-          vstore(s + (j + 2) * rows_padded + c, a2);
-          vstore(s + (j + 3) * rows_padded + c, a3);
-        }
-        for (; j < n; ++j) {
-          vf a0 = {};
-          const float* k0 = kf[j];
-          for (int k = 0; k < d; ++k) a0 += vload(qt + k * rows_padded + c) * k0[k];
-          vstore(s + j * rows_padded + c, a0);
-        }
-      }
+      // s[j * rows_padded + r] = q_r . k_j, W rows per vector (score_tile)
+      score_tile(qt, rows_padded, kf, n, d, s, pf);
       if (p.softcap > 0.0f) soft_cap(s, n * rows_padded, p.softcap);
-      if (masked) {
-        for (int j = 0; j < n; ++j)
-          for (int r = 0; r < rows; ++r)
-            if (start + j >= limit[r] || start + j < lower[r]) s[j * rows_padded + r] = kNegInf;
+      if (masked) {  // W rows at a time (the padding rows, limit 0, are masked too)
+        for (int j = 0; j < n; ++j) {
+          const vi pos = vi{} + (start + j);
+          float* sj = s + j * rows_padded;
+          for (int c = 0; c < rows_padded; c += W) {
+            vi lim, low;
+            __builtin_memcpy(&lim, limit + c, sizeof(lim));
+            __builtin_memcpy(&low, lower + c, sizeof(low));
+            vstore(sj + c, (pos >= lim) | (pos < low) ? vsplat(kNegInf) : vload(sj + c));
+          }
+        }
       }
       for (int c = 0; c < rows_padded; c += W) {
         const vf m_old = vload(m + c);
@@ -416,7 +624,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
         vstore(l + c, vload(l + c) * al + sum);
         vstore(m + c, mx);
       }
-      accumulate_values<DV, RB>(acc, rows, nv, alpha, s, 1, rows_padded, vf_, n);
+      accumulate_rows<DV>(acc, rows, nv, alpha, s, rows_padded, vf_, n);
     } else {
       // s[r * kKeyTile + j] = q_r . k_j: products vectorised over head_dim, then 16 keys' partial
       // sums reduced together into one vector of scores
@@ -533,13 +741,45 @@ struct Item {
   int64_t cost;         // for ordering: bigger items go first
 };
 
+// The order items are handed out in: biggest first, and the items of one stream (block table and KV
+// head: the tiles of one sequence's prefill, which read the same keys and values) one after another,
+// streams ordered by their biggest item. A prefill's next item then finds its keys and values in the
+// cache the previous one left them in; ordered by cost alone, the same-sized items of every sequence
+// and KV head came in turn and each read its keys from L3 or memory. The tail is the smallest items
+// of the last stream (or the decodes), as in plain biggest-first order. The passes build each
+// stream's items consecutively.
+void order_items(std::vector<Item>& items) {
+  struct Key {
+    int64_t stream_cost, cost;
+    int32_t stream;
+    Item item;
+  };
+  std::vector<Key> keys;
+  keys.reserve(items.size());
+  for (size_t i = 0; i < items.size();) {
+    size_t j = i;
+    int64_t biggest = 0;
+    for (; j < items.size() && items[j].table == items[i].table && items[j].kv_head == items[i].kv_head; ++j)
+      biggest = std::max(biggest, items[j].cost);
+    for (size_t k = i; k < j; ++k)
+      keys.push_back({biggest, items[k].cost, static_cast<int32_t>(i), items[k]});
+    i = j;
+  }
+  std::stable_sort(keys.begin(), keys.end(), [](const Key& a, const Key& b) {
+    if (a.stream_cost != b.stream_cost) return a.stream_cost > b.stream_cost;
+    if (a.stream != b.stream) return a.stream < b.stream;
+    return a.cost > b.cost;
+  });
+  for (size_t i = 0; i < items.size(); ++i) items[i] = keys[i].item;
+}
+
 template <typename scalar_t, int DV>
 void run_pass(const Problem<scalar_t>& p, std::vector<Item>& items, const std::vector<int32_t>& tokens,
               const std::vector<int32_t>& limits, const std::vector<int32_t>& lowers, const int32_t* tables,
               int64_t table_stride, bool write_lse) {
   const int64_t n = static_cast<int64_t>(items.size());
   if (n == 0) return;
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  order_items(items);
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
   const bool vector_path = p.head_dim % W == 0 && p.head_dim / W <= kMaxVectors;
@@ -758,13 +998,19 @@ void store_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   scalar_t* kp = k_pool.data_ptr<scalar_t>();
   scalar_t* vp = v_pool.data_ptr<scalar_t>();
   const int64_t slot_stride = kv_heads * d;
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      std::memcpy(kp + slots[t] * slot_stride + h * d, k + t * key.stride(0) + h * key.stride(1), d * sizeof(scalar_t));
-      std::memcpy(vp + slots[t] * slot_stride + h * d, v + t * value.stride(0) + h * value.stride(1),
-                  d * sizeof(scalar_t));
+  // tokens split across threads, pieces of at least 8192 values of each pool (a prefill's K/V are tens of
+  // MiB: copied on one thread, they took some 5% of a 24 x 520-token prefill's attention on two)
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, kv_heads * d));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::memcpy(kp + slots[t] * slot_stride + h * d, k + t * key.stride(0) + h * key.stride(1),
+                    d * sizeof(scalar_t));
+        std::memcpy(vp + slots[t] * slot_stride + h * d, v + t * value.stride(0) + h * value.stride(1),
+                    d * sizeof(scalar_t));
+      }
     }
-  }
+  });
 }
 
 // The same into a quantized pool (uint8 [blocks, block_size, kv_heads, head_dim + 2]): each (token, KV

@@ -98,6 +98,21 @@ def test_ragged_batches_match_reference(num_heads, kv_heads, head_dim, block_siz
     assert worst < 1e-5, (specs, worst)
 
 
+@pytest.mark.parametrize("head_dim", [32, 48, 80, 112])
+@pytest.mark.parametrize("num_heads,kv_heads", [(7, 1), (6, 2), (4, 4)])
+def test_prefill_blocks_and_their_remainders_match_reference(num_heads, kv_heads, head_dim):
+    """The row-vectorised (prefill) path computes a tile's scores in blocks of rows x keys and its
+    outputs in blocks of rows x vectors of head_dim, then smaller blocks for what is left over: head
+    sizes whose vectors leave 1, 2 or 3 after slices of 4, items of every row count from 8 to 64
+    (group sizes 7, 3 and 1) and tiles of every number of keys."""
+    pool = Pool(80, 16, kv_heads, head_dim, seed=head_dim + num_heads)
+    specs = [(2, 2), (3, 8), (5, 6), (9, 36), (13, 15), (16, 56), (23, 26), (37, 48), (64, 64)]
+    tables = [pool.blocks(s) for _, s in specs]
+    worst, out = run(pool, specs, tables, num_heads)
+    assert torch.isfinite(out).all()
+    assert worst < 1e-5, worst
+
+
 def test_null_block_padding_is_never_read():
     pool = Pool(50, 16, 2, 64)
     tables = [pool.blocks(20), pool.blocks(70), pool.blocks(3)]  # ragged: the table pads with block 0
