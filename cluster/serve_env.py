@@ -55,6 +55,7 @@ DRAIN = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 # cluster: the replicas inherit them from it, and a cluster started elsewhere keeps its own choice
 CLUSTER_ENV = {HA_PROXY: "1", HARD_STOP: "3600", DRAIN: "5"}
 NODE_HEALTH = "RAY_health_check_failure_threshold"
+NODE_ENV = {NODE_HEALTH: "20"}  # every local cluster started here, with or without HAProxy
 KEYS = (*SERVE_ENV, *CLUSTER_ENV, *HAPROXY_PORTS, NODE_HEALTH)  # every variable effective_serve_env may set
 
 
@@ -86,8 +87,8 @@ def cluster_env() -> dict[str, str]:
     """The cluster-level settings for a local cluster started here: HAProxy where a binary is found
     (with free ports for its exporter and stats page), off elsewhere; the node health tolerance."""
     if not haproxy_found():
-        return {HA_PROXY: "0", NODE_HEALTH: "20"}
-    return {**CLUSTER_ENV, **{key: _free_port() for key in HAPROXY_PORTS}, NODE_HEALTH: "20"}
+        return {HA_PROXY: "0", **NODE_ENV}
+    return {**CLUSTER_ENV, **{key: _free_port() for key in HAPROXY_PORTS}, **NODE_ENV}
 
 
 def effective_serve_env(set_here: bool) -> dict[str, str]:
