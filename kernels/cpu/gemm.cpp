@@ -85,14 +85,6 @@ void tile(const float* __restrict ap, const float* __restrict bp, int64_t kc, fl
   }
 }
 
-inline void prefetch_l2(const char* p) {
-#if defined(__AVX512F__) || defined(__AVX__)
-  _mm_prefetch(p, _MM_HINT_T1);
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
 using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, const float*, bool);
 
 template <int... R>
@@ -164,7 +156,7 @@ void gemm_items(const float* packed_a, int64_t m, int64_t k, const float* panels
         const int64_t tiles = (m1 - m0) / kTileRows;
         for (int64_t r0 = m0, t = 0; r0 < m1; r0 += kTileRows, ++t) {
           for (int64_t line = lines * t / tiles; line < lines * (t + 1) / tiles; ++line)
-            prefetch_l2(next + 64 * line);
+            __builtin_prefetch(next + 64 * line, 0, 2);  // into L2 (prefetcht1 on x86)
           const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
           kTiles[rows - 1](packed_a + k0 * mp + r0 * kc, bp, kc, c + r0 * ldc + p * kPanel, ldc, bias_p, k0 > 0);
         }
