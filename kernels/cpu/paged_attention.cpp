@@ -464,6 +464,11 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   const int kv_read = min_lower / p.block_size * p.block_size;
   // scores vectorised over rows; else over head_dim (decode-sized items, and every item in fixed order)
   const bool by_rows = !p.fixed_order && rows >= W / 2;
+  // row r of the item (query head kv_head * g + r % g of token tokens[r / g]): its query and output rows
+  const auto query_row = [&](int r) {
+    return p.query + tokens[r / g] * p.q_tok_stride + (kv_head * g + r % g) * p.q_head_stride;
+  };
+  const auto out_row = [&](int r) { return p.out + tokens[r / g] * p.out_tok_stride + (kv_head * g + r % g) * d; };
 
   // A prefill item's query rows (a few KiB apart, out of the cache since the projection wrote them) all
   // asked for at once rather than W at a time by the transposition, and its output rows made writable
@@ -471,10 +476,8 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   if (by_rows) {
     const int64_t row_bytes = static_cast<int64_t>(d) * sizeof(scalar_t);
     for (int r = 0; r < rows; ++r) {
-      const int tok = tokens[r / g];
-      const int head = kv_head * g + r % g;
-      const char* src = reinterpret_cast<const char*>(p.query + tok * p.q_tok_stride + head * p.q_head_stride);
-      const char* o = reinterpret_cast<const char*>(p.out + tok * p.out_tok_stride + head * d);
+      const char* src = reinterpret_cast<const char*>(query_row(r));
+      const char* o = reinterpret_cast<const char*>(out_row(r));
       for (int64_t line = 0; line < row_bytes; line += 64) {
         __builtin_prefetch(src + line);
         __builtin_prefetch(o + line, 1);
@@ -486,7 +489,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     const int tok = tokens[r / g];
     const int head = kv_head * g + r % g;
     if (!by_rows) {
-      const scalar_t* src = p.query + tok * p.q_tok_stride + head * p.q_head_stride;
+      const scalar_t* src = query_row(r);
       float* dst = q + r * d;
       for (int k = 0; k < d; ++k) dst[k] = to_float(src[k]) * p.scale;
     }
@@ -494,7 +497,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     lower[r] = lowers[r / g];
     float* a = acc + r * d;
     if (merge) {
-      const scalar_t* o = p.out + tok * p.out_tok_stride + head * d;
+      const scalar_t* o = out_row(r);
       for (int k = 0; k < d; ++k) a[k] = to_float(o[k]);
       m[r] = p.lse[static_cast<int64_t>(tok) * p.num_heads + head];
       l[r] = 1.0f;
@@ -515,8 +518,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
       const scalar_t* src[W];
       for (int i = 0; i < W; ++i) {
         const int r = r0 + i;
-        src[i] = r < rows ? p.query + tokens[r / g] * p.q_tok_stride + (kv_head * g + r % g) * p.q_head_stride
-                          : nullptr;
+        src[i] = r < rows ? query_row(r) : nullptr;
       }
       for (int k0 = 0; k0 < d; k0 += W) {
         vf t[W];
@@ -671,7 +673,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   for (int r = 0; r < rows; ++r) {
     const int tok = tokens[r / g];
     const int head = kv_head * g + r % g;
-    scalar_t* o = p.out + tok * p.out_tok_stride + head * d;
+    scalar_t* o = out_row(r);
     const float* ar = acc + r * d;
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
     for (int k = 0; k < d; ++k) o[k] = static_cast<scalar_t>(ar[k] * inv);
