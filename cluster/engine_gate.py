@@ -43,6 +43,7 @@ class EngineWatch:
         self.prefix = f"engine:{app_name}:"
         self.min_engines = min_engines
         self._num_up = 0
+        self._up_names: set[str] = set()  # the engines that answered at the last asking
         self._checked_at = -math.inf
         self._lock: asyncio.Lock | None = None
         self._refreshing: asyncio.Task | None = None
@@ -76,18 +77,27 @@ class EngineWatch:
         if self._num_up and self._checked_at > -math.inf:
             if self._refreshing is None or self._refreshing.done():
                 self._refreshing = asyncio.get_running_loop().create_task(
-                    self._check(self.PING_TIMEOUT_UP_S), context=contextvars.Context())  # not a request's child
+                    self._check(self.PING_TIMEOUT_UP_S, slow_is_up=True),
+                    context=contextvars.Context())  # not a request's child
             return self._num_up
         await self._check(self.PING_TIMEOUT_S)
         return self._num_up
 
-    async def _check(self, timeout_s: float) -> None:
+    async def _check(self, timeout_s: float, slow_is_up: bool = False) -> None:
+        """Ask every engine ``ready``. With ``slow_is_up`` (the background asking while engines are up),
+        one that answered last time and gives no answer within ``timeout_s`` still counts: it is busy,
+        not gone (on a 2-core machine under load a busy engine took over 5 s, and the Ingress turned
+        requests away as overloaded while it streamed). One that fails (its actor died, its engine gave
+        up) or left the named actors does not count, nor one not yet seen to answer (still starting)."""
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:  # one lookup for every request that arrives meanwhile
             if not self._fresh():
-                actors = list((await self.actors(max_age_s=0.0)).values())
-                answers = await asyncio.gather(*(self._ping(a, timeout_s) for a in actors))
-                self._num_up, self._checked_at = sum(answers), time.monotonic()
+                actors = await self.actors(max_age_s=0.0)
+                answers = await asyncio.gather(*(self._ping(a, timeout_s) for a in actors.values()))
+                was_up = self._up_names if slow_is_up else set()
+                self._up_names = {name for name, answer in zip(actors, answers)
+                                  if answer or (answer is None and name in was_up)}
+                self._num_up, self._checked_at = len(self._up_names), time.monotonic()
 
     async def actors(self, max_age_s: float | None = None) -> dict[str, object]:
         """The app's scheduler actors, ``{name: handle}``, looked up on a thread at most every
@@ -114,11 +124,15 @@ class EngineWatch:
                     pass
         return actors
 
-    async def _ping(self, actor, timeout_s: float) -> bool:
+    async def _ping(self, actor, timeout_s: float) -> bool | None:
+        """True: it answered; None: no answer within ``timeout_s`` (busy or still starting); False: it
+        failed (dead, or its engine gave up on its ranks)."""
         try:
             await asyncio.wait_for(actor.ready.remote(), timeout=timeout_s)
             return True
-        except Exception:  # noqa: BLE001 - dead, still starting, or not answering
+        except asyncio.TimeoutError:
+            return None
+        except Exception:  # noqa: BLE001 - dead or gave up
             return False
 
 

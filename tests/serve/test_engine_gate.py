@@ -77,6 +77,39 @@ def test_while_engines_answer_a_slow_lookup_holds_no_request():
     asyncio.run(run())
 
 
+def test_an_engine_slow_to_answer_while_up_still_counts_and_one_that_fails_does_not():
+    """In the background asking while engines are up, an engine that answered before and now gives no
+    answer in time is busy, not gone; a starting one (never answered) is not counted, nor one whose
+    actor failed, nor a slow one once an engine was seen to stop (callers then wait for the answer)."""
+    class ScriptedWatch(CountingWatch):
+        answers: dict = {}
+
+        def _actors(self) -> dict:
+            self.lookups += 1
+            return {name: name for name in self.answers}
+
+        async def _ping(self, actor, timeout_s: float) -> bool | None:
+            return self.answers[actor]
+
+    async def run():
+        watch = ScriptedWatch(up=0)
+        watch.answers = {"engine:app:0": True, "engine:app:1": True}
+        assert await watch.num_up() == 2
+        # 0 busy, 1 died, 2 starting
+        watch.answers = {"engine:app:0": None, "engine:app:1": False, "engine:app:2": None}
+        watch._checked_at -= EngineWatch.PERIOD_S
+        assert await watch.num_up() == 2  # the last answer, while the background asking runs
+        await watch._refreshing
+        assert await watch.num_up() == 1 and watch._up_names == {"engine:app:0"}
+        watch.recheck()
+        assert await watch.num_up() == 0  # waited for: no answer is no engine
+        watch.answers = {"engine:app:0": None, "engine:app:2": True}
+        watch._checked_at -= EngineWatch.DOWN_PERIOD_S
+        assert await watch.num_up() == 1 and watch._up_names == {"engine:app:2"}
+
+    asyncio.run(run())
+
+
 def gate_client(available: bool, api_key: str | None = None, full: bool | None = None):
     calls = []
 
