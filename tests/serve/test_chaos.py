@@ -5,19 +5,37 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def kvserve(*args: str, timeout: float) -> None:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    """Run ``kvserve *args`` with a Ray temp directory of its own (its cluster's logs apart from the
+    other test worker's clusters); on failure the message ends with its GCS's and raylet's last log
+    lines, where Ray's own failures show."""
+    ray_tmp = tempfile.mkdtemp(prefix="kvc-", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    try:
+        result = subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=timeout)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + ray_log_tails(ray_tmp)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def ray_log_tails(ray_tmp: str, lines: int = 15) -> str:
+    tails = []
+    for log in sorted(Path(ray_tmp).glob("ray/session_*/logs/*")):
+        if log.name.startswith(("gcs_server", "raylet")) and log.suffix in (".out", ".err") and log.is_file():
+            text = log.read_text(errors="replace").splitlines()[-lines:]
+            tails.append(f"\n--- {log.name} ---\n" + "\n".join(text))
+    return "".join(tails)
 
 
 def test_soak_reports_every_process_errors_and_blocks(model_dirs, tmp_path):

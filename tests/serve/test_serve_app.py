@@ -303,11 +303,14 @@ def test_queue_bound_gives_503_and_spares_the_rest(served):
     progress = [0] * 16
 
     statuses: dict[int, int] = {}
+    refusals: dict[int, str] = {}
 
     def hold(i: int) -> None:  # a long stream, read until told to leave
         with httpx.stream("POST", f"{served['url']}/v1/completions", json={**body, "prompt": f"long {i}"},
                           headers=headers, timeout=120) as response:
             statuses[i] = response.status_code
+            if response.status_code != 200:  # its code, for the message below
+                refusals[i] = json.loads(response.read()).get("error", {}).get("code")
             for line in response.iter_lines():
                 progress[i] += line.startswith("data: {")
                 if stop.is_set():
@@ -347,7 +350,7 @@ def test_queue_bound_gives_503_and_spares_the_rest(served):
         stop.set()
         for t in threads:
             t.join(timeout=60)
-    assert set(statuses.values()) <= {200, 503} and list(statuses.values()).count(200) >= 12
+    assert set(statuses.values()) <= {200, 503} and list(statuses.values()).count(200) >= 12, refusals
     wait_for(lambda: (m := metrics(served["url"]))["kvserve:num_requests_running"] == 0
              and m["kvserve:num_requests_waiting"] == 0 and m["kvserve:kv_cache_usage_perc"] == 0.0, timeout_s=60)
 
