@@ -19,7 +19,7 @@ class RayExecutor(Executor):
     there (``spawn_ranks``) for the first group; a rebuilt group starts its own."""
 
     def __init__(self, config: EngineConfig, placement_group=None, first_bundle: int = 0, ranks: list | None = None) -> None:
-        ensure_ray(min_cpus=config.parallel.tensor_parallel_size + 2)
+        ensure_ray(min_cpus=config.parallel.world_size + 2)
         self.config = config
         self._placement = {"placement_group": placement_group, "first_bundle": first_bundle}
         self.group = WorkerGroup(config, **self._placement, actors=ranks)
@@ -52,6 +52,7 @@ class RayExecutor(Executor):
     def _collect_kv_cache_info(self) -> dict:
         ranks = self.group.kv_cache_info()
         return {**ranks[0], "kv_pool_bytes_by_rank": [r["kv_pool_bytes_per_rank"] for r in ranks],
+                "kv_bytes_per_block_all_ranks": sum(r["kv_bytes_per_block_per_rank"] for r in ranks),
                 "worker_nodes": [info["node_id"] for info in self.group.node_info]}
 
     def kv_cache_info(self) -> dict:

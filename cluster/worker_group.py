@@ -1,8 +1,11 @@
-"""The tensor-parallel ranks of one engine instance: actors in a placement group, their process
-group, and the per-step dispatch.
+"""The ranks of one engine instance: actors in a placement group, their process group, and the
+per-step dispatch. Under pipeline parallelism the ranks are ``pipeline_parallel_size`` stages of
+``tensor_parallel_size`` (global rank = stage * tp + tensor-parallel index); each stage passes its
+activations to the next (``workers.parallel_state.PipelineStage``) and the last stage's first rank
+samples.
 
     scheduler ──execute_model(SchedulerOutput)──► rank 0 … rank N-1    (same plan to every rank)
-              ◄────────── ModelRunnerOutput ──── rank 0                 (the others return None)
+              ◄────────── ModelRunnerOutput ──── the sampling rank      (the others return None)
 
 A step waits for every rank, polling so that a rank that dies is noticed within a second even
 while the survivors block in a collective; the group is then killed whole. An exception raised
@@ -54,7 +57,7 @@ def rank_config(config: EngineConfig) -> EngineConfig:
 
 
 def spawn_ranks(config: EngineConfig, placement_group: PlacementGroup, first_bundle: int = 0) -> list:
-    """Create the rank actors in bundles [first_bundle, first_bundle + tp) without waiting for them:
+    """Create the rank actors in bundles [first_bundle, first_bundle + world size) without waiting for them:
     their processes start (imports, about 3 s) while the caller does something else, e.g. a Serve
     replica starting the scheduler actor that takes them (``WorkerGroup(actors=...)``)."""
     config = rank_config(config)
@@ -65,7 +68,7 @@ def spawn_ranks(config: EngineConfig, placement_group: PlacementGroup, first_bun
             enable_task_events=task_events_enabled(),  # off: one call per rank per step
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, first_bundle + rank),
         ).remote(config, rank)
-        for rank in range(config.parallel.tensor_parallel_size)
+        for rank in range(config.parallel.world_size)
     ]
 
 
@@ -77,7 +80,9 @@ class WorkerGroup:
     def __init__(self, config: EngineConfig, *, placement_group: PlacementGroup | None = None,
                  first_bundle: int = 0, step_timeout_s: float = 600.0, placement_timeout_s: float = 60.0,
                  actors: list | None = None):
-        self.num_ranks = config.parallel.tensor_parallel_size
+        self.num_ranks = config.parallel.world_size
+        # the rank that samples and answers the step: the last stage's first
+        self.output_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
         self.config = rank_config(config)
         self.use_gpu = self.config.device == "cuda"
         self.step_timeout_s = step_timeout_s
@@ -90,7 +95,7 @@ class WorkerGroup:
                                  f"{placement_timeout_s:g}s")
         self.placement_group = placement_group
         if actors is not None and len(actors) != self.num_ranks:
-            raise ValueError(f"{len(actors)} rank actors given for tensor_parallel_size {self.num_ranks}")
+            raise ValueError(f"{len(actors)} rank actors given for {self.num_ranks} ranks")
         self.actors = list(actors) if actors is not None else spawn_ranks(self.config, placement_group, first_bundle)
         self.dispatch = config.parallel.tp_dispatch
         self._compiled = None
@@ -147,7 +152,7 @@ class WorkerGroup:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.dispatch == "compiled":
             return self._execute_compiled(scheduler_output)
-        return self._call_all("execute_model", scheduler_output)[0]
+        return self._call_all("execute_model", scheduler_output)[self.output_rank]
 
     def _execute_compiled(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The same step through a Ray Compiled Graph (shared-memory channels, no per-call task)."""
@@ -158,7 +163,7 @@ class WorkerGroup:
                 dag = MultiOutputNode([a.execute_model.bind(plan) for a in self.actors])
             self._compiled = dag.experimental_compile()
         try:
-            return ray.get(self._compiled.execute(scheduler_output), timeout=self.step_timeout_s)[0]
+            return ray.get(self._compiled.execute(scheduler_output), timeout=self.step_timeout_s)[self.output_rank]
         except Exception as exc:
             cause = raised_inside(exc)
             if cause is not None:  # every output arrived: the ranks are alive

@@ -55,7 +55,8 @@ class EngineCore(StepFailures):
         self.scheduler = Scheduler(
             structured_outputs=self.structured_outputs,
             num_host_kv_blocks=kv_info.get("num_host_kv_blocks", 0),
-            host_kv_block_bytes=kv_info.get("kv_bytes_per_block_per_rank", 0) * config.parallel.tensor_parallel_size,
+            host_kv_block_bytes=kv_info.get("kv_bytes_per_block_all_ranks",
+                                            kv_info.get("kv_bytes_per_block_per_rank", 0)),
             num_kv_blocks=num_blocks,
             block_size=config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,

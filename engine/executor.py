@@ -56,7 +56,7 @@ class Executor(ABC):
 
 
 def executor_name(config: EngineConfig) -> str:
-    return "uniproc" if config.parallel.tensor_parallel_size == 1 else "ray"
+    return "uniproc" if config.parallel.world_size == 1 else "ray"
 
 
 def create_executor(config: EngineConfig, name: str | None = None, **kwargs) -> Executor:

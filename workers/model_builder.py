@@ -248,23 +248,29 @@ def _no_progress_bars() -> Iterator[None]:
 
 
 def make_model(arch: str, preset: str, out: str | Path, seed: int = 0, dtype: str = "float32",
-               max_shard_size: str | None = None) -> Path:
+               max_shard_size: str | None = None, num_layers: int | None = None) -> Path:
     """Build a random `arch`/`preset` checkpoint with its tokenizer into `out`; return `out` resolved.
 
     The weights are drawn in float32 right after `torch.manual_seed(seed)` (the caller's RNG state is restored
     afterwards) and then cast, so every dtype holds the same model. The build goes to a temporary sibling that is
     renamed to `out` at the end: `out` either holds a complete checkpoint or does not exist. `max_shard_size`
-    (e.g. "200KB") splits the weights into shards listed in `model.safetensors.index.json`.
+    (e.g. "200KB") splits the weights into shards listed in `model.safetensors.index.json`. `num_layers`: that
+    many decoder layers instead of the preset's.
     Raises ValueError for an unknown arch, preset or dtype and FileExistsError if `out` is a non-empty directory.
     """
     with without_triton():
-        return _make_model(arch, preset, out, seed, dtype, max_shard_size)
+        return _make_model(arch, preset, out, seed, dtype, max_shard_size, num_layers)
 
 
-def _make_model(arch: str, preset: str, out: str | Path, seed: int, dtype: str, max_shard_size: str | None) -> Path:
+def _make_model(arch: str, preset: str, out: str | Path, seed: int, dtype: str, max_shard_size: str | None,
+                num_layers: int | None = None) -> Path:
     import transformers  # slow to import; only building needs it
 
     kwargs = _preset(arch, preset)
+    if num_layers is not None:
+        if num_layers < 1 or "layer_types" in kwargs:
+            raise ValueError(f"num_layers must be >= 1 for a preset without per-layer types, got {num_layers}")
+        kwargs["num_hidden_layers"] = num_layers
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     out = Path(out).expanduser().resolve()

@@ -20,6 +20,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_layout import KVLayout
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from kernels import PagedAttentionMetadata, select_backend
@@ -31,7 +32,7 @@ from workers.kv_pool import KVPoolSpec, allocate_kv_pool
 from workers.layers.attention import Attention
 from workers.layers.kernels import bind_cpu_kernels, bind_layer_ops
 from workers.models.registry import kv_cache_shape, resolve_architecture
-from workers.parallel_state import TPGroup
+from workers.parallel_state import PipelineStage, TPGroup
 from workers.prompt_logprobs import ROWS_PER_SLICE, compute_prompt_logprobs, plan_prompt_rows
 from workers.sampler import GrammarMask, Sampler, SamplingRow
 from workers.weight_loader import iter_checkpoint
@@ -42,9 +43,14 @@ WARM_UP_PREFILL_TOKENS = 256  # the warm-up's prefill, at most (``ModelRunner.wa
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype,
+                 stage: PipelineStage | None = None) -> None:
         self.config = config
         self.tp = tp
+        num_layers = config.model.hf_config["num_hidden_layers"]
+        # under pipeline parallelism this rank's stage of the layers; the last stage's first rank samples
+        self.stage = stage or PipelineStage.whole(num_layers)
+        self.samples = self.stage.is_last and tp.is_first_rank
         self.device = device
         self.dtype = dtype
         self.block_size = config.cache.block_size
@@ -53,6 +59,10 @@ class ModelRunner:
         if config.parallel.enable_expert_parallel and not getattr(model_cls, "supports_expert_parallel", False):
             raise ValueError(f"enable_expert_parallel is not supported for {model_cls.__name__}")
         extra = {"expert_parallel": True} if config.parallel.enable_expert_parallel else {}
+        if self.stage.size > 1:
+            if not getattr(model_cls, "supports_pipeline_parallel", False):
+                raise ValueError(f"pipeline parallelism is not supported for {model_cls.__name__}")
+            extra["stage"] = self.stage
         self.model = model_cls(hf_config, tp, dtype, device, **extra)
         if config.model.long_rope_threshold is not None and getattr(self.model, "long_rope", None) is None:
             raise ValueError(f"{config.model.architecture} cannot serve LongRoPE: it has no long-prompt position "
@@ -63,6 +73,8 @@ class ModelRunner:
         self.layout = config.kv_layout()
         if self.layout.num_layers != num_layers:
             raise ValueError(f"the KV layout has {self.layout.num_layers} layers, the model's KV {num_layers}")
+        if self.stage.size > 1:  # the pool holds the stage's layers (a plain layout: EngineConfig checks)
+            self.layout = KVLayout.plain(self.stage.end - self.stage.start)
         # a block of the pool holds page_layers layers' K/V (every layer's for a plain layout)
         self.kv_format = kv_format(config.cache.kv_cache_dtype)
         self.kv_spec = KVPoolSpec(self.layout.page_layers, kv_heads, head_dim, self.block_size, dtype, replicated,
@@ -90,7 +102,7 @@ class ModelRunner:
                                 long_rope=getattr(self.model, "long_rope", None),
                                 num_window_groups=self.layout.num_window_groups, kv_format=self.kv_format)
         argmax = getattr(self.attention_backend.layer_ops, "argmax", None)
-        self.sampler = Sampler(device, config.seed, argmax) if tp.is_first_rank else None
+        self.sampler = Sampler(device, config.seed, argmax) if self.samples else None
         self.eos_token_ids = tuple(config.model.eos_token_ids)
         self.graphs: DecodeGraphs | None = None  # decode-only steps through CUDA graphs (``capture_graphs``)
         if self.attention_backend.name == "triton":  # its split-KV scratch, allocated before the memory profile
@@ -132,6 +144,8 @@ class ModelRunner:
             return "the hybrid KV layout's window tables are not in the decode graphs' buffers"
         if self.device.type != "cuda":
             return f"they need a CUDA device, not {self.device.type}"
+        if self.stage.size > 1:
+            return "pipeline parallelism runs every step eagerly"
         if not getattr(self.attention_backend, "supports_graphs", False):
             return (f"the {self.attention_backend.name} attention backend cannot be captured "
                     f"(attention_backend='triton' can)")
@@ -228,7 +242,14 @@ class ModelRunner:
         if bucket is not None:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn_meta, bucket)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
+            intermediate = None
+            if not self.stage.is_first:  # the previous stage's (hidden, residual)
+                intermediate = self.stage.recv(self._intermediate_shape(len(batch.input_ids)), self.dtype,
+                                               self.device)
+            hidden = self._forward(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta, intermediate)
+            if not self.stage.is_last:
+                self.stage.send(hidden)
+                return None
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sample_rows else None
         if events is not None:
             events[1].record()
@@ -238,7 +259,7 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden, prompt_rows, self.tp.is_first_rank,
             min(ROWS_PER_SLICE, self.config.scheduler.max_num_seqs)) if prompt_rows else {}
-        if not self.tp.is_first_rank:
+        if not self.samples:
             return None
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list[dict | None] = [None] * len(batch.req_ids)
@@ -255,6 +276,17 @@ class ModelRunner:
             forward_time = events[0].elapsed_time(events[1]) / 1000
         return ModelRunnerOutput(batch.req_ids, sampled, logprobs, forward_time, time.perf_counter() - start,
                                  prompt_logprobs)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: PagedAttentionMetadata,
+                 intermediate: torch.Tensor | None) -> torch.Tensor:
+        """The model (this rank's stage of it): the final hidden states on the last stage, the stacked
+        (hidden, residual) the next stage takes on the others."""
+        if self.stage.size == 1:
+            return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
+
+    def _intermediate_shape(self, num_tokens: int) -> tuple[int, int, int]:
+        return (2, num_tokens, self.model.args.hidden_size)
 
     @staticmethod
     def _grammar_mask(so: SchedulerOutput, sampling_ids: list[str]) -> GrammarMask | None:
@@ -337,8 +369,11 @@ class ModelRunner:
         meta = PagedAttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device,
                                             self.attention_backend, self.config.deterministic,
                                             [tables] * self.layout.num_window_groups, self.kv_format)
-        hidden = self.model(torch.zeros_like(positions), positions, kv_caches, meta)
-        logits = self.model.compute_logits(hidden[-(num_rows or len(positions)):])
+        intermediate = None  # a stage after the first runs on zeros: nothing is sent between stages here
+        if not self.stage.is_first:
+            intermediate = torch.zeros(self._intermediate_shape(len(positions)), dtype=self.dtype, device=self.device)
+        hidden = self._forward(torch.zeros_like(positions), positions, kv_caches, meta, intermediate)
+        logits = self.model.compute_logits(hidden[-(num_rows or len(positions)):]) if self.stage.is_last else None
         del kv_caches, hidden
         return logits
 

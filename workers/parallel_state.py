@@ -58,3 +58,43 @@ class TPGroup:
         dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.gather(x, parts, dst=dst, group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Stage ``rank`` of ``size``: the model's layers [start, end) of ``num_layers``. ``prev``/``next``:
+    the global ranks (in the default process group) of the neighbouring stages' rank of this one's
+    tensor-parallel index, which the activations come from and go to (None at the ends)."""
+
+    rank: int = 0
+    size: int = 1
+    start: int = 0
+    end: int = 0
+    num_layers: int = 0
+    prev: int | None = None
+    next: int | None = None
+
+    @classmethod
+    def whole(cls, num_layers: int) -> PipelineStage:
+        return cls(0, 1, 0, num_layers, num_layers)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def holds(self, layer: int) -> bool:
+        return self.start <= layer < self.end
+
+    def send(self, x: torch.Tensor) -> None:
+        """The activations to the next stage (blocking until handed over)."""
+        dist.send(x.contiguous(), dst=self.next)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The previous stage's activations, of ``shape``."""
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, src=self.prev)
+        return x

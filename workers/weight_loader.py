@@ -125,6 +125,7 @@ def load_into(
     stacked_params: tuple[StackedParam, ...] = (),
     ignore: tuple[str, ...] = (),
     route: Callable[[str], tuple[str, ShardId] | None] | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> None:
     """Load every checkpoint tensor into its parameter via ``param.weight_loader(param, slice, shard_id)``.
 
@@ -132,14 +133,15 @@ def load_into(
     not one of its). Checkpoint names containing ``.{part}.`` of a ``stacked_params`` entry go to the
     fused parameter with that shard id. Names ending in an ``ignore`` suffix (or a known buffer) are
     skipped. A parameter's ``shard_ids`` attribute, where it has one, is the set of shard ids it must
-    be given (others routed to it are its loader's to skip). Raises ValueError naming every
+    be given (others routed to it are its loader's to skip). Names ``skip`` answers True for are
+    another pipeline stage's: not read. Raises ValueError naming every
     unexpected checkpoint tensor and every parameter (or shard) left unloaded.
     """
     params = dict(model.named_parameters())
     loaded: dict[str, set[ShardId]] = {}
     unexpected: list[str] = []
     for ckpt_name, weight in weights:
-        if ckpt_name.endswith(_NON_PARAMETERS + ignore):
+        if ckpt_name.endswith(_NON_PARAMETERS + ignore) or (skip is not None and skip(ckpt_name)):
             continue
         routed = route(ckpt_name) if route is not None else None
         name, shard_id = routed if routed is not None else _route(ckpt_name, stacked_params)

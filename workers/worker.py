@@ -18,7 +18,7 @@ from workers.allocator import tune_malloc
 from workers.cuda_graphs import graph_memory_reserve
 from workers.kv_pool import HostKVTier
 from workers.model_runner import ModelRunner
-from workers.parallel_state import TPGroup
+from workers.parallel_state import PipelineStage, TPGroup
 
 # With no explicit KV size on CPU: this much memory at most, a quarter of what is free at least,
 # and no more blocks than this (a pool beyond it only grows the prefix cache, at Python cost).
@@ -55,6 +55,7 @@ class Worker:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.model.dtype, config.model.hf_config, self.device)
         self.tp = TPGroup()
+        self.stage: PipelineStage | None = None  # under pipeline parallelism: this rank's stage
         self.runner: ModelRunner | None = None
         self.host_tier: HostKVTier | None = None
         self._memory_at_start: tuple[int, int] | None = None  # CUDA (free, total) before loading
@@ -70,18 +71,31 @@ class Worker:
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
             self._memory_at_start = torch.cuda.mem_get_info(self.device)
-        tp_size = self.config.parallel.tensor_parallel_size
-        if tp_size > 1:
+        parallel = self.config.parallel
+        tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        if parallel.world_size > 1:
             dist.init_process_group(
                 backend="nccl" if self.device.type == "cuda" else "gloo",
-                init_method=self.distributed_init_method, rank=self.rank, world_size=tp_size,
+                init_method=self.distributed_init_method, rank=self.rank, world_size=parallel.world_size,
                 timeout=datetime.timedelta(seconds=float(os.environ.get("KVSERVE_DIST_TIMEOUT_S", "120"))),
             )
-            self.tp = TPGroup(self.rank, tp_size, dist.group.WORLD)
+        # global rank = stage * tp + tensor-parallel index: a stage's ranks are consecutive
+        pp_rank, tp_rank = divmod(self.rank, tp_size)
+        if tp_size > 1 and pp_size == 1:
+            self.tp = TPGroup(tp_rank, tp_size, dist.group.WORLD)
+        elif tp_size > 1:  # every rank makes every stage's group, in the same order
+            groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
+            self.tp = TPGroup(tp_rank, tp_size, groups[pp_rank])
+        if pp_size > 1:
+            num_layers = self.config.model.hf_config["num_hidden_layers"]
+            start, end = parallel.stage_layers(num_layers)[pp_rank]
+            self.stage = PipelineStage(pp_rank, pp_size, start, end, num_layers,
+                                       prev=self.rank - tp_size if pp_rank > 0 else None,
+                                       next=self.rank + tp_size if pp_rank < pp_size - 1 else None)
         torch.manual_seed(self.config.seed)
 
     def load_model(self) -> None:
-        self.runner = ModelRunner(self.config, self.tp, self.device, self.dtype)
+        self.runner = ModelRunner(self.config, self.tp, self.device, self.dtype, self.stage)
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank's pool can hold: from ``kv_cache_memory_bytes``, else on CUDA from
@@ -126,7 +140,7 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
-        num_host = self.config.cache.host_kv_blocks_for(self.runner.kv_spec.bytes_per_block)
+        num_host = self.config.cache.host_kv_blocks_for(self._largest_stage_block_bytes())
         if num_host and self.runner.layout.hybrid:  # (EngineConfig.kv_layout keeps blocks whole with a host tier)
             raise ValueError("the host KV tier needs every layer's KV in a block: not a hybrid KV layout")
         self.host_tier = HostKVTier(self.runner.kv_spec, num_host, self.device) if num_host else None
@@ -136,6 +150,15 @@ class Worker:
         self.runner.capture_graphs(budget=self.memory_profile.get("cuda_graphs_reserved"))
         if self.runner.graphs is not None:
             self.memory_profile["cuda_graphs"] = self.runner.graphs.memory_bytes
+
+    def _largest_stage_block_bytes(self) -> int:
+        """Bytes of one block on this rank, or under pipeline parallelism on a rank of the stage with
+        the most layers: every rank then gets the same host tier slots from ``kv_offload_bytes``."""
+        spec, stage = self.runner.kv_spec, self.stage
+        if stage is None:
+            return spec.bytes_per_block
+        largest = max(end - start for start, end in self.config.parallel.stage_layers(stage.num_layers))
+        return spec.bytes_per_block // (stage.end - stage.start) * largest
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if scheduler_output.kv_offloads or scheduler_output.kv_restores:

@@ -30,7 +30,7 @@ from workers.layers import (
     activation,
     rope_parameters,
 )
-from workers.parallel_state import TPGroup
+from workers.parallel_state import PipelineStage, TPGroup
 from workers.weight_loader import WeightSlice, load_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -154,16 +154,47 @@ class LlamaDecoderLayer(nn.Module):
         return pre_norm_block(self, self.mlp, positions, hidden, residual, kv_cache, meta)
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: no parameters, never run (it keeps the layer indices of
+    ``layers`` those of the checkpoint)."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this layer is held by another pipeline stage")
+
+
 class LlamaModel(nn.Module):
+    """The embedding, the decoder layers and the final norm. Under pipeline parallelism (``stage``)
+    the layers outside the stage are ``MissingLayer``s, the embedding is held by the first stage (and
+    by the last where the LM head is tied to it), the final norm by the last; a stage after the first
+    takes the previous one's (hidden, residual) stacked as ``intermediate``, and one before the last
+    answers them so."""
+
     layer_cls: type[nn.Module] = LlamaDecoderLayer
 
-    def __init__(self, args: LlamaArgs, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, args: LlamaArgs, tp: TPGroup, dtype: torch.dtype, device: torch.device,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype, device)
+        self._build_ends(args, tp, dtype, device, stage)
         rotary_emb = self.make_rotary(args, device)
-        self.layers = nn.ModuleList(self.layer_cls(args, rotary_emb, tp, dtype, device) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(self.layer_cls(args, rotary_emb, tp, dtype, device) if self.stage.holds(i)
+                                    else MissingLayer() for i in range(args.num_layers))
+
+    def _build_ends(self, args: LlamaArgs, tp: TPGroup, dtype: torch.dtype, device: torch.device,
+                    stage: PipelineStage | None) -> None:
+        """The stage, the embedding and the final norm where the stage holds them."""
+        self.stage = stage or PipelineStage.whole(args.num_layers)
+        embeds = self.stage.is_first or (self.stage.is_last and args.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype, device) \
+            if embeds else None
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device) if self.stage.is_last else None
         self.stack: DecoderStack | None = None  # the layers as one compiled call (``bind_decoder_stack``)
+
+    def outside_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` (``model.``-relative) belongs to what another stage holds."""
+        if name.startswith("layers."):
+            return not self.stage.holds(int(name.split(".", 2)[1]))
+        return (name.startswith("embed_tokens.") and self.embed_tokens is None) or \
+            (name.startswith("norm.") and self.norm is None)
 
     @staticmethod
     def make_rotary(args: LlamaArgs, device: torch.device) -> RotaryEmbedding:
@@ -173,6 +204,8 @@ class LlamaModel(nn.Module):
         """Run the layers as one compiled call from now on (``workers.layers.kernels``), where the
         stack is what ``decoder_stack.cpp`` computes: one rank, SiLU-gated MLPs and the compiled
         norms and rotary already bound. Answers whether it did."""
+        if self.stage.size > 1:  # the stack runs every layer, the embedding and the final norm
+            return False
         first = self.layers[0]
         if first.self_attn.o_proj.tp.size != 1 or first.mlp.act is not F.silu or first.mlp.ops is None:
             return False
@@ -198,12 +231,19 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: PagedAttentionMetadata,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.stack is not None:
             return self.stack(self.embed_tokens(input_ids), positions, kv_caches, meta)
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.unbind(0)
+        layers = self.layers if self.stage.size == 1 else self.layers[self.stage.start:self.stage.end]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if self.norm is None:
+            return torch.stack((hidden, residual))
         return self.norm(hidden, residual)[0]
 
 
@@ -224,12 +264,14 @@ class LlamaForCausalLM(nn.Module):
     def parse_config(hf_config: dict[str, Any]) -> LlamaArgs:
         return LlamaArgs.from_hf(hf_config)
 
-    def __init__(self, hf_config: dict[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    supports_pipeline_parallel = True
+
+    def __init__(self, hf_config: dict[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.args = args = self.parse_config(hf_config)
-        self.model = self.model_cls(args, tp, dtype, device)
-        tied_to = self.model.embed_tokens if args.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype, device, tied_to=tied_to)
+        self.model = self.model_cls(args, tp, dtype, device, stage)
+        self.lm_head = stage_lm_head(self.model, args, tp, dtype, device)
 
     def forward(
         self,
@@ -237,8 +279,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: PagedAttentionMetadata,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
@@ -247,9 +290,33 @@ class LlamaForCausalLM(nn.Module):
     def long_rope(self) -> tuple[int, int] | None:
         """Under LongRoPE (Phi-3): (original_max_position_embeddings, row offset of the long factors in the
         rotary cache), which the model runner applies to long prompts' positions; else None."""
-        return self.model.layers[0].self_attn.rotary_emb.long_rope
+        return self.model.layers[self.model.stage.start].self_attn.rotary_emb.long_rope
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> None:
         ignore = ("lm_head.weight",) if self.args.tie_word_embeddings else ()
-        load_into(self, weights, self.stacked_params, ignore)
+        load_into(self, weights, self.stacked_params, ignore, skip=outside_stage(self))
+
+
+def stage_lm_head(model: LlamaModel, args: LlamaArgs, tp: TPGroup, dtype: torch.dtype,
+                  device: torch.device) -> ParallelLMHead | None:
+    """The LM head, on the last stage only (tied to the embedding the last stage then holds)."""
+    if not model.stage.is_last:
+        return None
+    tied_to = model.embed_tokens if args.tie_word_embeddings else None
+    return ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype, device, tied_to=tied_to)
+
+
+def outside_stage(causal_lm: nn.Module):
+    """For ``load_into``: whether a checkpoint tensor belongs to what another pipeline stage holds (not
+    read here); None for a model of one stage."""
+    model = causal_lm.model
+    if model.stage.size == 1:
+        return None
+
+    def skip(name: str) -> bool:
+        if name.startswith("lm_head."):
+            return causal_lm.lm_head is None
+        return name.startswith("model.") and model.outside_stage(name[len("model."):])
+
+    return skip
 

@@ -17,10 +17,19 @@ import torch
 import torch.nn as nn
 
 from kernels import PagedAttentionMetadata
-from workers.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from workers.layers import RMSNorm, RotaryEmbedding
 from workers.layers.moe import FusedMoE, expert_route
-from workers.models.llama import KVCache, LlamaArgs, LlamaAttention, LlamaModel, pre_norm_block
-from workers.parallel_state import TPGroup
+from workers.models.llama import (
+    KVCache,
+    LlamaArgs,
+    LlamaAttention,
+    LlamaModel,
+    MissingLayer,
+    outside_stage,
+    pre_norm_block,
+    stage_lm_head,
+)
+from workers.parallel_state import PipelineStage, TPGroup
 from workers.weight_loader import WeightSlice, load_into
 
 
@@ -60,12 +69,10 @@ class MoeModel(LlamaModel):
     """The Llama model's embedding, layer loop and final norm around ``layers`` built by the caller."""
 
     def __init__(self, args: LlamaArgs, layers: list[nn.Module], tp: TPGroup, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, stage: PipelineStage | None = None) -> None:
         nn.Module.__init__(self)
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype, device)
+        self._build_ends(args, tp, dtype, device, stage)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
-        self.stack = None
 
     def bind_decoder_stack(self, layer_ops) -> bool:
         return False  # the compiled stack runs dense MLPs only
@@ -77,17 +84,18 @@ class MixtralForCausalLM(nn.Module):
     stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
                       ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
     supports_expert_parallel = True
+    supports_pipeline_parallel = True
 
     def __init__(self, hf_config: dict[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.args = args = LlamaArgs.from_hf(hf_config)
+        stage = stage or PipelineStage.whole(args.num_layers)
         rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope, device)
         layers = [self.make_layer(hf_config, i, args, rotary, tp, dtype, device, expert_parallel)
-                  for i in range(args.num_layers)]
-        self.model = MoeModel(args, layers, tp, dtype, device)
-        tied_to = self.model.embed_tokens if args.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype, device, tied_to=tied_to)
+                  if stage.holds(i) else MissingLayer() for i in range(args.num_layers)]
+        self.model = MoeModel(args, layers, tp, dtype, device, stage)
+        self.lm_head = stage_lm_head(self.model, args, tp, dtype, device)
 
     def make_layer(self, hf_config: dict[str, Any], index: int, args: LlamaArgs, rotary: RotaryEmbedding,
                    tp: TPGroup, dtype: torch.dtype, device: torch.device, expert_parallel: bool) -> nn.Module:
@@ -98,12 +106,12 @@ class MixtralForCausalLM(nn.Module):
                                dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: PagedAttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+                meta: PagedAttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> None:
         ignore = ("lm_head.weight",) if self.args.tie_word_embeddings else ()
-        load_into(self, weights, self.stacked_params, ignore, route=expert_route)
+        load_into(self, weights, self.stacked_params, ignore, route=expert_route, skip=outside_stage(self))
