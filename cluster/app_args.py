@@ -37,7 +37,7 @@ def api_key_from_env(name: str) -> str:
 
 # engine settings that engine_kwargs may carry (the flat AppArgs keys passed to engine_config)
 ENGINE_KWARGS = frozenset({
-    "tensor_parallel_size", "dtype", "device", "block_size", "enable_prefix_caching", "num_kv_blocks",
+    "tensor_parallel_size", "pipeline_parallel_size", "pipeline_layer_split", "dtype", "device", "block_size", "enable_prefix_caching", "num_kv_blocks",
     "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "seed", "placement_strategy", "enable_expert_parallel", "attention_backend", "cascade_attention", "max_worker_restarts",
     "max_consecutive_failed_steps",
@@ -119,6 +119,10 @@ class AppArgs(BaseModel):
     model_loading_config: dict[str, Any] = Field(default_factory=dict)
     served_model_name: str | None = None
     tensor_parallel_size: int = 1
+    # the layers in that many stages of tensor_parallel_size ranks each (activations passed stage to stage);
+    # pipeline_layer_split: each stage's layer count (e.g. [10, 12, 10]) instead of as even as they go
+    pipeline_parallel_size: int = 1
+    pipeline_layer_split: list[int] | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # the GPU model the engines need (Ray's accelerator_type, e.g. "A10G", "L4", "H100"): implies
@@ -234,6 +238,22 @@ class AppArgs(BaseModel):
         return _flatten(data, "model_loading_config", {"model_source": "model", "model_id": "served_model_name"},
                         "a mapping with model_id and model_source", "key")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _layer_split(cls, data: Any) -> Any:
+        """pipeline_layer_split on the command line: "10,12,10" (or JSON, "[10, 12, 10]")."""
+        if not isinstance(data, dict) or not isinstance(data.get("pipeline_layer_split"), str):
+            return data
+        text = data["pipeline_layer_split"].strip()
+        try:
+            split = json.loads(text) if text.startswith("[") else [int(n) for n in text.split(",")]
+        except ValueError:
+            split = None
+        if not isinstance(split, list):
+            raise ValueError(f"pipeline_layer_split must list each stage's layer count, such as "
+                             f"pipeline_layer_split=10,12,10 (got {text!r})")
+        return {**data, "pipeline_layer_split": split}
+
     @model_validator(mode="after")
     def _tool_call_parser(self) -> AppArgs:
         check_tool_parser(self.tool_call_parser)
@@ -265,7 +285,8 @@ class AppArgs(BaseModel):
         given = [name for name in ("api_key", "api_key_env", "api_key_file") if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"give one of api_key, api_key_env and api_key_file, not {' and '.join(given)}")
-        if self.tensor_parallel_size > 1 and self.engine_cpus is not None and self.engine_cpus < 1:
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.engine_cpus is not None \
+                and self.engine_cpus < 1:
             raise ValueError(f"engine_cpus={self.engine_cpus:g} is less than the one CPU each tensor-parallel rank "
                              f"actor takes: give engine_cpus >= 1 at tensor_parallel_size > 1")
         return self

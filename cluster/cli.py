@@ -15,6 +15,7 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -23,7 +24,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt or ["The quick brown fox"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
-    with LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size) as llm:
+    with LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
+             pipeline_parallel_size=args.pipeline_parallel_size) as llm:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start

@@ -73,7 +73,7 @@ class LLMServer:
 
     async def __init__(self, config: EngineConfig, args: AppArgs, use_gpu: bool, plan: Reservations) -> None:
         ctx = serve.get_replica_context()
-        tp = config.parallel.tensor_parallel_size
+        tp = config.parallel.world_size  # 1: the model runs in the scheduler actor; more: rank actors
         self.engine_name = f"engine:{ctx.app_name}:{ctx.replica_tag}"
         self._config = config
         self._launch_options = dict(
@@ -104,7 +104,7 @@ class LLMServer:
         from cluster.worker_group import spawn_ranks  # (no torch: the ranks import it)
 
         pg, first = self._launch_options["placement_group"], self._launch_options["first_rank_bundle"]
-        tp = self._config.parallel.tensor_parallel_size
+        tp = self._config.parallel.world_size
         self._ranks = spawn_ranks(self._config, pg, first) if tp > 1 and pg is not None else None
         deadline = time.monotonic() + NAME_RELEASE_S
         try:

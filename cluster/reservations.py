@@ -36,7 +36,8 @@ def default_engine_cpus(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] 
     engines as the replicas (their most, autoscaling) need per node, and never less than 1."""
     if args.engine_cpus is not None:
         return args.engine_cpus
-    if use_gpu or cpus is None or args.tensor_parallel_size > 1:  # (a rank actor runs on the one CPU it is made with)
+    if use_gpu or cpus is None or args.tensor_parallel_size * args.pipeline_parallel_size > 1:  # (a rank actor runs
+        # on the one CPU it is made with)
         return 1.0
     node, total = cpus
     high = args.replica_range[1]
@@ -72,13 +73,13 @@ def cluster_cpus() -> tuple[float, float] | None:
 
 def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | None) -> Reservations:
     """Each replica's bundles: [replica] + [engine (the model at tp = 1)] or [replica, scheduler] +
-    [rank] * tp. The engine (or each rank) takes ``engine_cpus``; the replica, the scheduler actor at
+    [rank] * tp * pp. The engine (or each rank) takes ``engine_cpus``; the replica, the scheduler actor at
     tp > 1 and the Ingress take ``proxy_cpus``, by default 0.5 or what the cluster leaves over (0
     where it leaves nothing: they then share bundle 0, the engine's or rank 0's). ``cpus`` is (largest
     node, cluster) or None (unknown: nothing is checked). Raises ValueError, naming the setting to
     change, when the reservations cannot fit: a placement group that can never be placed would leave
     every request waiting."""
-    tp = args.tensor_parallel_size
+    tp = args.tensor_parallel_size * args.pipeline_parallel_size  # the ranks (one engine at 1)
     high = args.replica_range[1]
     engine_cpus = default_engine_cpus(args, use_gpu, cpus)
     compute = engine_cpus * tp  # the engine at tp = 1, the ranks above
@@ -89,9 +90,11 @@ def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | 
         per_group = node if args.placement_strategy == "STRICT_PACK" else total
         where = "the largest node" if per_group == node else "the cluster"
         if compute > per_group:
-            setting = (f"tensor_parallel_size={tp} with engine_cpus={engine_cpus:g} per rank" if tp > 1
-                       else f"engine_cpus={engine_cpus:g}")
-            lower = "tensor_parallel_size (or engine_cpus)" if tp > 1 else "engine_cpus"
+            ranks = (f"tensor_parallel_size={args.tensor_parallel_size}" if args.pipeline_parallel_size == 1 else
+                     f"{tp} ranks (tensor_parallel_size={args.tensor_parallel_size} x "
+                     f"pipeline_parallel_size={args.pipeline_parallel_size})")
+            setting = f"{ranks} with engine_cpus={engine_cpus:g} per rank" if tp > 1 else f"engine_cpus={engine_cpus:g}"
+            lower = "tensor_parallel_size, pipeline_parallel_size (or engine_cpus)" if tp > 1 else "engine_cpus"
             raise ValueError(f"{setting} needs {compute:g} CPUs for one engine but {where} has {per_group:g}: "
                              f"lower {lower}, or run on a bigger node or cluster")
         if compute * high > total:

@@ -86,7 +86,7 @@ class SchedulerActor:
         core = EngineCore(config, create_executor(config, **(executor_kwargs or {})))
         self.engine = AsyncLLM(config, core=core, max_waiting_requests=max_waiting_requests)
         self.bound_cores: list[int] = []
-        if threads_line is not None and config.device != "cuda" and config.parallel.tensor_parallel_size == 1:
+        if threads_line is not None and config.device != "cuda" and config.parallel.world_size == 1:
             if bind_threads:
                 from cluster.cpu_plan import bind_engine_threads
 
@@ -235,13 +235,13 @@ def launch_scheduler_actor(
 
     from cluster.ray_env import ensure_ray
 
-    ensure_ray(min_cpus=config.parallel.tensor_parallel_size + 2)
+    ensure_ray(min_cpus=config.parallel.world_size + 2)
     options: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus, "name": name, "namespace": namespace,
                      "max_concurrency": 10_000, "enable_task_events": task_events_enabled()}
     executor_kwargs = {}
     if placement_group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, bundle_index)
-        if config.parallel.tensor_parallel_size > 1:
+        if config.parallel.world_size > 1:
             first = bundle_index + 1 if first_rank_bundle is None else first_rank_bundle
             executor_kwargs = {"placement_group": placement_group, "first_bundle": first, "ranks": ranks}
     actor = ray.remote(SchedulerActor).options(**options).remote(
