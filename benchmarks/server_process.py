@@ -111,6 +111,20 @@ def tagged_pids(tag: str) -> list[int]:
     return pids
 
 
+def pids_naming(text: str) -> list[int]:
+    """The processes whose command line contains ``text`` (e.g. a Ray cluster's own temp directory,
+    which its GCS, raylet and workers are started with)."""
+    needle, pids = text.encode(), []
+    for pid in all_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle in f.read():
+                    pids.append(pid)
+        except OSError:
+            continue
+    return pids
+
+
 def server_pids(server: Server) -> dict[int, str]:
     """pid -> start time of every process of the server: the launched process, its descendants, and
     whatever carries the server's tag in its environment (Ray's workers, started by the raylet)."""

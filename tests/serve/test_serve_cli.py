@@ -16,6 +16,7 @@ import httpx
 import pytest
 import yaml
 
+from benchmarks.server_process import pids_naming
 from tests.serve.serve_harness import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,4 +95,19 @@ def test_serve_deploy_onto_a_running_cluster(model_dirs, tmp_path):
                        cwd=ROOT, env=env(), check=True, capture_output=True, timeout=120)
         wait_for(lambda: completes(base_url), timeout_s=180, interval_s=1)
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env(), capture_output=True, timeout=120)
+        stop_cluster(temp_dir)
+
+
+def stop_cluster(temp_dir: str) -> None:
+    """Stop the cluster started with ``temp_dir`` alone: its processes name it on their command lines.
+    (`ray stop` would stop every Ray process on the machine: the other test worker's clusters too.)"""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids_naming(temp_dir):
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 30
+        while pids_naming(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert pids_naming(temp_dir) == []
