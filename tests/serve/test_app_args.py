@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import pytest
 from pydantic import ValidationError
 
@@ -93,9 +94,11 @@ def test_reservations_fit_a_small_node():
     ({"num_replicas": 3}, (2.0, 2.0), "num_replicas"),
     ({"min_replicas": 1, "max_replicas": 4}, (2.0, 2.0), "max_replicas"),
     ({"proxy_cpus": 0.5, "tensor_parallel_size": 2}, (2.0, 2.0), "proxy_cpus"),
+    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, (3.0, 3.0),
+     "4 ranks (tensor_parallel_size=2 x pipeline_parallel_size=2) with engine_cpus=1 per rank needs 4 CPUs"),
 ])
 def test_reservations_that_cannot_fit_name_the_setting(args, cpus, setting):
-    with pytest.raises(ValueError, match=setting.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(setting)):
         plan_reservations(AppArgs(**args), use_gpu=False, cpus=cpus)
     plan_reservations(AppArgs(**args), use_gpu=False, cpus=(16.0, 16.0))  # fits a bigger node
 
@@ -272,3 +275,19 @@ def test_host_tier_and_deterministic_settings_reach_the_engine(model_dirs):
     for args in ({"enforce_eager": False}, {"engine_kwargs": {"enforce_eager": False}}):
         graphs = build_app({"model": model_dirs["llama"], **args})
         assert graphs._bound_deployment.init_args[0]._bound_deployment.init_args[0].enforce_eager is False
+
+
+def test_pipeline_parallel_arguments_from_the_command_line(model_dirs):
+    """`serve run serve_app:app pipeline_parallel_size=2 pipeline_layer_split=1,1`: the split as text (or
+    JSON), a bundle per rank of every stage, and a split that does not fit the model refused at build."""
+    args = AppArgs.model_validate({"pipeline_parallel_size": "2", "pipeline_layer_split": "1,1"})
+    assert (args.pipeline_parallel_size, args.pipeline_layer_split) == (2, [1, 1])
+    assert AppArgs.model_validate({"pipeline_layer_split": "[3, 4]"}).pipeline_layer_split == [3, 4]
+    with pytest.raises(ValidationError, match="such as pipeline_layer_split=10,12,10"):
+        AppArgs.model_validate({"pipeline_layer_split": "one,two"})
+    plan = plan_reservations(AppArgs(tensor_parallel_size=2, pipeline_parallel_size=2), use_gpu=False,
+                             cpus=(8.0, 8.0))
+    assert plan.bundles[plan.first_rank_bundle:] == [{"CPU": 1.0}] * 4
+    build_app({"model": model_dirs["llama"], "pipeline_parallel_size": "2", "pipeline_layer_split": "1,1"})
+    with pytest.raises(ValueError, match=r"pipeline_layer_split \[1, 2\] gives 3 layers; the model has 2"):
+        build_app({"model": model_dirs["llama"], "pipeline_parallel_size": "2", "pipeline_layer_split": "1,2"})
