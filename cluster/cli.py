@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.serve_bench import add_bench_serve_arguments, run_bench_serve
     from benchmarks.soak import add_soak_arguments, run_soak_command
     from benchmarks.structured import add_bench_structured_arguments, run_bench_structured
-    from benchmarks.tensor_parallel import add_bench_tp_arguments, run_bench_tp
+    from benchmarks.parallel import add_bench_parallel_arguments, run_bench_parallel
     from workers.model_builder import add_make_model_arguments, run_make_model
 
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference on Ray")
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
          "client", add_bench_online_vllm_arguments, run_bench_online_vllm),
         ("bench-gpu", "one device, a 1B-shape checkpoint: decode steps beside the bandwidth bound, prefill, the "
          "shared-prompt workload, HF generate, torch vs Triton attention", add_bench_gpu_arguments, run_bench_gpu),
-        ("bench-tp", "TP=1 in-process against TP=N on Ray worker actors", add_bench_tp_arguments, run_bench_tp),
+        ("bench-parallel", "TP=1 x PP=1 in-process against tensor- and pipeline-parallel sizes on Ray worker actors: "
+         "throughput, dispatch, each stage's compute and wait", add_bench_parallel_arguments, run_bench_parallel),
         ("bench-host-tier", "multi-turn conversations through a pool holding a quarter of their KV: prefix hit "
          "rate and output tok/s with the host KV tier off, on, and with an unlimited pool",
          add_bench_host_tier_arguments, run_bench_host_tier),

@@ -46,6 +46,11 @@ class RayExecutor(Executor):
         self.initialize_kv_cache(self.num_blocks)
         self.num_restarts += 1
 
+    def pipeline_times(self) -> dict:
+        """Per pipeline stage since the group started: seconds computing and seconds waiting
+        (``worker_group.PipelineTimes``)."""
+        return self.group.pipeline.report()
+
     def worker_pids(self) -> list[int]:
         return self.group.pids()
 

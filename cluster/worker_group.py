@@ -30,7 +30,7 @@ from cluster.scheduler_actor import task_events_enabled
 from cluster.worker_actor import WorkerActor
 from engine.config import EngineConfig
 from engine.executor import StepFailedError, WorkerFailedError
-from engine.messages import ModelRunnerOutput, SchedulerOutput
+from engine.messages import ModelRunnerOutput, SchedulerOutput, StageTiming
 
 POLL_S = 1.0  # how often a step waiting on the ranks checks whether one of them has died
 RAISED_GRACE_S = 5.0  # after a rank raised, how long the others may take to answer
@@ -72,6 +72,27 @@ def spawn_ranks(config: EngineConfig, placement_group: PlacementGroup, first_bun
     ]
 
 
+class PipelineTimes:
+    """Per pipeline stage, summed over steps: the seconds it computed and the seconds it waited for the
+    previous stage's activations (the bubble, as that stage sees it)."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.steps = 0
+        self.compute_s = [0.0] * num_stages
+        self.wait_s = [0.0] * num_stages
+
+    def add(self, stages: list[StageTiming], last: ModelRunnerOutput) -> None:
+        self.steps += 1
+        for s, timing in enumerate(stages):
+            self.compute_s[s] += timing.compute_s
+            self.wait_s[s] += timing.wait_s
+        self.compute_s[-1] += last.forward_time_s
+        self.wait_s[-1] += last.stage_wait_s
+
+    def report(self) -> dict:
+        return {"steps": self.steps, "stage_compute_s": list(self.compute_s), "stage_wait_s": list(self.wait_s)}
+
+
 class WorkerGroup:
     """``placement_group``/``first_bundle``: place the ranks in bundles [first_bundle, first_bundle + tp)
     of a group someone else owns (a Serve replica's); by default the group makes and owns its own.
@@ -83,6 +104,8 @@ class WorkerGroup:
         self.num_ranks = config.parallel.world_size
         # the rank that samples and answers the step: the last stage's first
         self.output_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
+        self.stage_ranks = list(range(0, self.num_ranks, config.parallel.tensor_parallel_size))  # each stage's first
+        self.pipeline = PipelineTimes(len(self.stage_ranks))
         self.config = rank_config(config)
         self.use_gpu = self.config.device == "cuda"
         self.step_timeout_s = step_timeout_s
@@ -151,11 +174,17 @@ class WorkerGroup:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.dispatch == "compiled":
-            return self._execute_compiled(scheduler_output)
-        return self._call_all("execute_model", scheduler_output)[self.output_rank]
+            results = self._execute_compiled(scheduler_output)
+        else:
+            results = self._call_all("execute_model", scheduler_output)
+        output = results[self.output_rank]
+        if len(self.stage_ranks) > 1:
+            self.pipeline.add([results[r] for r in self.stage_ranks[:-1]], output)
+        return output
 
-    def _execute_compiled(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The same step through a Ray Compiled Graph (shared-memory channels, no per-call task)."""
+    def _execute_compiled(self, scheduler_output: SchedulerOutput) -> list:
+        """The same step through a Ray Compiled Graph (shared-memory channels, no per-call task): every
+        rank's answer."""
         if self._compiled is None:
             from ray.dag import InputNode, MultiOutputNode
 
@@ -163,7 +192,7 @@ class WorkerGroup:
                 dag = MultiOutputNode([a.execute_model.bind(plan) for a in self.actors])
             self._compiled = dag.experimental_compile()
         try:
-            return ray.get(self._compiled.execute(scheduler_output), timeout=self.step_timeout_s)[self.output_rank]
+            return ray.get(self._compiled.execute(scheduler_output), timeout=self.step_timeout_s)
         except Exception as exc:
             cause = raised_inside(exc)
             if cause is not None:  # every output arrived: the ranks are alive

@@ -75,6 +75,18 @@ class ModelRunnerOutput:
     # requests with prompt_logprobs whose step computed prompt positions: req_id -> (first position p,
     # entries for the prompt tokens p + 1, p + 2, ...)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = field(default_factory=dict)
+    # under pipeline parallelism: the time this (last) stage waited for the previous one's activations
+    stage_wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """What a pipeline stage before the last answers a step with (its first rank): the time it waited
+    for the previous stage's activations and the time it computed its layers."""
+
+    stage: int
+    wait_s: float
+    compute_s: float
 
 
 @dataclass

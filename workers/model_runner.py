@@ -21,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
-from engine.messages import ModelRunnerOutput, SchedulerOutput
+from engine.messages import ModelRunnerOutput, SchedulerOutput, StageTiming
 from engine.sampling_params import SamplingParams
 from kernels import PagedAttentionMetadata, select_backend
 from kernels.backends import deterministic_error
@@ -226,8 +226,11 @@ class ModelRunner:
     # --- one step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | StageTiming | None:
+        """The step's output on the sampling rank; under pipeline parallelism a stage's timing on the
+        first rank of every stage before the last; None elsewhere."""
         start = time.perf_counter()
+        stage_wait = 0.0
         self.batch.update(scheduler_output)
         batch = self.batch.prepare(scheduler_output)
         batch.attn_meta.deterministic = self.config.deterministic
@@ -246,10 +249,12 @@ class ModelRunner:
             if not self.stage.is_first:  # the previous stage's (hidden, residual)
                 intermediate = self.stage.recv(self._intermediate_shape(len(batch.input_ids)), self.dtype,
                                                self.device)
+                stage_wait = time.perf_counter() - forward_start
             hidden = self._forward(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta, intermediate)
             if not self.stage.is_last:
+                compute = time.perf_counter() - forward_start - stage_wait
                 self.stage.send(hidden)
-                return None
+                return StageTiming(self.stage.rank, stage_wait, compute) if self.tp.is_first_rank else None
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sample_rows else None
         if events is not None:
             events[1].record()
@@ -274,8 +279,8 @@ class ModelRunner:
         if events is not None:
             events[1].synchronize()
             forward_time = events[0].elapsed_time(events[1]) / 1000
-        return ModelRunnerOutput(batch.req_ids, sampled, logprobs, forward_time, time.perf_counter() - start,
-                                 prompt_logprobs)
+        return ModelRunnerOutput(batch.req_ids, sampled, logprobs, forward_time - stage_wait,
+                                 time.perf_counter() - start, stage_wait_s=stage_wait, prompt_logprobs=prompt_logprobs)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: PagedAttentionMetadata,
                  intermediate: torch.Tensor | None) -> torch.Tensor:

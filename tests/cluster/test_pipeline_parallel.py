@@ -181,3 +181,26 @@ def test_a_second_stage_rank_killed_mid_run_changes_no_token(ray_cluster, five_l
         assert not set(core.executor.worker_pids()) & set(old)
     assert [finals[str(i)] for i in range(len(prompts))] == expected
     assert stats["num_worker_restarts"] == 1 and stats["num_blocks_in_use"] == 0
+
+
+def test_bench_parallel_smoke_every_configuration_and_dispatch(ray_cluster, model_dirs):
+    """`kvserve bench-parallel` smoke-sized: in-process, TP 2 and PP 2, each by actor calls and by the
+    compiled graph, the same tokens; under PP each stage's compute and wait per step (the last stage
+    waits for the first: one batch in flight)."""
+    from benchmarks.parallel import bench_parallel, format_parallel_report, parse_config
+
+    assert [parse_config(t) for t in ("1x1", "2x1", "1x2", "2")] == [(1, 1), (2, 1), (1, 2), (2, 1)]
+    report = bench_parallel(model_dirs["llama"], [(1, 1), (2, 1), (1, 2)], ["remote", "compiled"], num_requests=2,
+                            prompt_len=16, output_len=4)
+    assert report["same_tokens"] is True
+    assert [(r["tp"], r["pp"], r["dispatch"]) for r in report["runs"]] == [
+        (1, 1, "in-process"), (2, 1, "remote"), (2, 1, "compiled"), (1, 2, "remote"), (1, 2, "compiled")]
+    for run in report["runs"]:
+        assert run["startup_s"] > 0 and run["output_tokens_per_s"] > 0
+        assert 0 <= run["dispatch_us_median"] <= run["dispatch_us_p90"]
+        assert ("stage_compute_ms" in run) == (run["pp"] > 1)
+        if run["pp"] > 1:
+            compute, wait = run["stage_compute_ms"], run["stage_wait_ms"]
+            assert len(compute) == len(wait) == 2 and min(compute) > 0
+            assert wait[0] == 0 and wait[1] > 0  # the first stage waits for nothing; the last for the first
+    assert "| 1 | 2 | compiled |" in format_parallel_report(report)

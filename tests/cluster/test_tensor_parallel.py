@@ -130,19 +130,6 @@ def test_scheduler_actor_streams_and_aborts(ray_cluster, model_dirs):
     ray.kill(actor)
 
 
-def test_bench_tp_smoke_covers_both_dispatch_modes(ray_cluster, model_dirs):
-    from benchmarks.tensor_parallel import bench_tp, format_tp_report
-
-    report = bench_tp(model_dirs["llama"], [1, 2], ["remote", "compiled"], num_requests=2, prompt_len=16,
-                      output_len=4)
-    assert report["same_tokens"] is True
-    assert [(r["tp"], r["dispatch"]) for r in report["runs"]] == [(1, "in-process"), (2, "remote"), (2, "compiled")]
-    for run in report["runs"]:
-        assert run["startup_s"] > 0 and run["output_tokens_per_s"] > 0
-        assert 0 <= run["dispatch_us_median"] <= run["dispatch_us_p90"]
-    assert "| 2 | compiled |" in format_tp_report(report)
-
-
 @pytest.mark.parametrize("fmt", ("int8", "fp8_e4m3"))
 def test_tp2_with_a_quantized_pool(fmt, ray_cluster, model_dirs, hf_oracle):
     """A quantized pool at TP=2: each rank quantizes the rows of its own KV head (a row's scale is its
