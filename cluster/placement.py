@@ -1,9 +1,10 @@
-"""One placement group per engine instance, one bundle per tensor-parallel rank."""
+"""One placement group per engine instance, one bundle per rank (a pipeline stage's ranks on one node where
+the bundles allow)."""
 
 from __future__ import annotations
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 
 class PlacementError(RuntimeError):
@@ -51,3 +52,33 @@ def create_placement_group(
             f"available now: {ray.available_resources()}"
         )
     return group
+
+
+def stage_bundles(bundle_nodes: list[str], tp: int, pp: int) -> list[int]:
+    """The bundle (an index into ``bundle_nodes``, each bundle's node) of each rank, in rank order, so
+    that a pipeline stage's ``tp`` ranks share a node: each stage in turn takes ``tp`` bundles of the
+    first node (in bundle order) that has that many left, else the lowest ones left (the stage then
+    spans nodes: its all-reduces cross the network, nothing else changes)."""
+    free: dict[str, list[int]] = {}
+    for index, node in enumerate(bundle_nodes[:tp * pp]):
+        free.setdefault(node, []).append(index)
+    order: list[int] = []
+    for _ in range(pp):
+        node = next((n for n, left in free.items() if len(left) >= tp), None)
+        if node is not None:
+            taken, free[node] = free[node][:tp], free[node][tp:]
+        else:
+            taken = sorted(i for left in free.values() for i in left)[:tp]
+            for n in free:
+                free[n] = [i for i in free[n] if i not in taken]
+        order += taken
+    return order
+
+
+def rank_bundles(placement_group, first_bundle: int, tp: int, pp: int) -> list[int]:
+    """The bundles of a placed group that ranks 0 .. tp * pp - 1 take (``stage_bundles``); in order
+    at one stage or one rank per stage, where any order is as good."""
+    if pp == 1 or tp == 1:
+        return [first_bundle + r for r in range(tp * pp)]
+    nodes = placement_group_table(placement_group)["bundles_to_node_id"]
+    return [first_bundle + i for i in stage_bundles([nodes[first_bundle + i] for i in range(tp * pp)], tp, pp)]

@@ -24,7 +24,7 @@ from ray.exceptions import RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.placement import PlacementError, create_placement_group
+from cluster.placement import PlacementError, create_placement_group, rank_bundles
 from cluster.ray_env import cluster_has_gpus
 from cluster.scheduler_actor import task_events_enabled
 from cluster.worker_actor import WorkerActor
@@ -57,18 +57,21 @@ def rank_config(config: EngineConfig) -> EngineConfig:
 
 
 def spawn_ranks(config: EngineConfig, placement_group: PlacementGroup, first_bundle: int = 0) -> list:
-    """Create the rank actors in bundles [first_bundle, first_bundle + world size) without waiting for them:
+    """Create the rank actors in bundles [first_bundle, first_bundle + world size) (a pipeline stage's ranks
+    on one node where the group's bundles allow: ``placement.rank_bundles``) without waiting for them:
     their processes start (imports, about 3 s) while the caller does something else, e.g. a Serve
     replica starting the scheduler actor that takes them (``WorkerGroup(actors=...)``)."""
     config = rank_config(config)
     actor_cls = ray.remote(WorkerActor)
+    parallel = config.parallel
+    bundles = rank_bundles(placement_group, first_bundle, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     return [
         actor_cls.options(
             num_cpus=1, num_gpus=1 if config.device == "cuda" else 0, max_restarts=0,
             enable_task_events=task_events_enabled(),  # off: one call per rank per step
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, first_bundle + rank),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, bundle),
         ).remote(config, rank)
-        for rank in range(config.parallel.world_size)
+        for rank, bundle in enumerate(bundles)
     ]
 
 

@@ -204,3 +204,17 @@ def test_bench_parallel_smoke_every_configuration_and_dispatch(ray_cluster, mode
             assert len(compute) == len(wait) == 2 and min(compute) > 0
             assert wait[0] == 0 and wait[1] > 0  # the first stage waits for nothing; the last for the first
     assert "| 1 | 2 | compiled |" in format_parallel_report(report)
+
+
+def test_a_stages_ranks_take_bundles_of_one_node():
+    from cluster.placement import stage_bundles
+
+    assert stage_bundles(["a", "a", "b", "b"], tp=2, pp=2) == [0, 1, 2, 3]
+    assert stage_bundles(["a", "b", "a", "b"], tp=2, pp=2) == [0, 2, 1, 3]  # interleaved by Ray
+    assert stage_bundles(["a", "b", "b", "a", "c", "c"], tp=2, pp=3) == [0, 3, 1, 2, 4, 5]
+    assert stage_bundles(["a", "a", "a", "a"], tp=2, pp=2) == [0, 1, 2, 3]
+    # no node holds a whole stage: the lowest bundles left, the stage across nodes
+    assert stage_bundles(["a", "b", "c", "a"], tp=2, pp=2) == [0, 3, 1, 2]
+    assert stage_bundles(["a", "b", "c", "d"], tp=2, pp=2) == [0, 1, 2, 3]
+    assert sorted(stage_bundles(["x", "y", "x", "y", "y", "x"], tp=3, pp=2)) == list(range(6))
+    assert stage_bundles(["x", "y", "x", "y", "y", "x"], tp=3, pp=2) == [0, 2, 5, 1, 3, 4]
