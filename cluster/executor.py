@@ -23,6 +23,10 @@ class RayExecutor(Executor):
         self.config = config
         self._placement = {"placement_group": placement_group, "first_bundle": first_bundle}
         self.group = WorkerGroup(config, **self._placement, actors=ranks)
+        parallel = config.parallel
+        if parallel.pipeline_parallel_size > 1 and parallel.tp_dispatch == "remote":
+            # each stage busy with a step of its own (a compiled graph runs one execution at a time here)
+            self.max_steps_in_flight = parallel.batches_in_flight or parallel.pipeline_parallel_size
         self.num_blocks: int | None = None
         self.num_restarts = 0
         self._kv_cache_info: dict = {}
@@ -37,6 +41,12 @@ class RayExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.group.execute_model(scheduler_output)
+
+    def submit(self, scheduler_output: SchedulerOutput):
+        return self.group.submit(scheduler_output)
+
+    def collect(self, handle) -> ModelRunnerOutput:
+        return self.group.collect(handle)
 
     def restart(self) -> None:
         """Replace the whole group (the survivors' KV is useless without the lost shard)."""

@@ -177,9 +177,18 @@ class WorkerGroup:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.dispatch == "compiled":
-            results = self._execute_compiled(scheduler_output)
-        else:
-            results = self._call_all("execute_model", scheduler_output)
+            return self._answer(self._execute_compiled(scheduler_output))
+        return self.collect(self.submit(scheduler_output))
+
+    def submit(self, scheduler_output: SchedulerOutput) -> list:
+        """Send a step to every rank without waiting (each rank runs its steps in the order sent)."""
+        return [a.execute_model.remote(scheduler_output) for a in self.actors]
+
+    def collect(self, refs: list) -> ModelRunnerOutput:
+        return self._answer(self._wait_all(refs))
+
+    def _answer(self, results: list) -> ModelRunnerOutput:
+        """The sampling rank's output; the stages' timings summed."""
         output = results[self.output_rank]
         if len(self.stage_ranks) > 1:
             self.pipeline.add([results[r] for r in self.stage_ranks[:-1]], output)

@@ -216,6 +216,8 @@ class ParallelConfig:
     # ``pipeline_layer_split``: the layers of each stage, instead of as even as they go
     pipeline_parallel_size: int = 1
     pipeline_layer_split: tuple[int, ...] | None = None
+    # steps in flight at once under pipeline parallelism (None: one per stage, each stage busy with its own)
+    batches_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -223,6 +225,9 @@ class ParallelConfig:
         if isinstance(self.pipeline_parallel_size, bool) or not isinstance(self.pipeline_parallel_size, int) \
                 or self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
+        if self.batches_in_flight is not None and (isinstance(self.batches_in_flight, bool) or not isinstance(
+                self.batches_in_flight, int) or self.batches_in_flight < 1):
+            raise ValueError(f"batches_in_flight must be an integer >= 1, got {self.batches_in_flight!r}")
         split = self.pipeline_layer_split
         if split is not None:
             if isinstance(split, list):

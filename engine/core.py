@@ -21,6 +21,7 @@ from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.pipelined_steps import PipelinedSteps
 from engine.step_failures import EngineDeadError, RequestFailedError, StepFailures  # noqa: F401 - re-exported
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
@@ -35,7 +36,7 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is at its bound; the request was not admitted (HTTP 503)."""
 
 
-class EngineCore(StepFailures):
+class EngineCore(PipelinedSteps, StepFailures):
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model.path)
@@ -82,6 +83,7 @@ class EngineCore(StepFailures):
         self._failed_in_a_row_samples: set[str] = set()
         self._plan_retried = False  # the last plan raised and is being planned again whole (``_plan_failed``)
         self._probe_id: str | None = None  # the request run alone to tell broken ranks from bad requests
+        self._init_in_flight()  # steps in flight under pipeline parallelism (engine.pipelined_steps)
         # held while the step changes the scheduler, the block pool or the outputs (never while the
         # ranks compute), so that other threads (stats, the router's hash report) read them whole
         self.lock = threading.RLock()
@@ -251,9 +253,14 @@ class EngineCore(StepFailures):
         its requests run again one per step: the one that fails alone fails with RequestFailedError
         (its output carries ``error``), the others produce exactly the tokens they would have.
         A lost rank rebuilds the ranks and recomputes every running request; an interruption
-        (KeyboardInterrupt) rolls the step back and raises."""
+        (KeyboardInterrupt) rolls the step back and raises. With steps in flight (pipeline stages),
+        a call sends one and answers the oldest's outputs (``engine.pipelined_steps``)."""
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
+        if self._pipelining():
+            return self._step_in_flight()
+        if self._in_flight:  # back to one step at a time: the steps out first
+            return self._collect_oldest()
         start = time.perf_counter()
         with self.lock:
             only = self._next_suspect()

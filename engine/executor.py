@@ -43,6 +43,19 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; rank 0's sampled tokens come back."""
 
+    # how many steps may be in flight at once (``submit`` / ``collect``): more than one where the ranks
+    # are pipeline stages, each then busy with a different step
+    max_steps_in_flight = 1
+
+    def submit(self, scheduler_output: SchedulerOutput):
+        """Start a step without waiting for it; ``collect`` its handle, in submission order. By default
+        the step runs here and now."""
+        return self.execute_model(scheduler_output)
+
+    def collect(self, handle) -> ModelRunnerOutput:
+        """The output of a step ``submit`` started (raising what ``execute_model`` would)."""
+        return handle
+
     def restart(self) -> None:
         """Replace lost ranks with fresh ones holding an empty pool of the same size."""
         raise WorkerFailedError(f"{type(self).__name__} cannot replace its ranks")

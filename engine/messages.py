@@ -59,6 +59,10 @@ class SchedulerOutput:
     # offloads (the block may be rewritten in this step), then (tier slot, pool block) restores
     kv_offloads: list[tuple[int, int]] = field(default_factory=list)
     kv_restores: list[tuple[int, int]] = field(default_factory=list)
+    # the plan's number: with batches in flight (pipeline parallelism) a request's tokens are taken only
+    # from the step that last scheduled it (one preempted and planned again since gets none from an
+    # older step); 0 for a plan made by hand (tests), which every request accepts
+    step_id: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -80,6 +80,8 @@ class Request:
         # what the workers hold of this request (the scheduler sends only what is new)
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
+        self.scheduled_step = 0  # the id of the last step that scheduled it (SchedulerOutput.step_id)
+        self.slot = 0  # with steps in flight, the ones it runs in (Scheduler.schedule(slot=...))
         # constrained decoding: this sample's grammar matcher (opaque, from the structured output
         # backend), advanced with every accepted token; None when unconstrained or once finished
         self.grammar = None

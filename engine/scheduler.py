@@ -45,6 +45,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._dropped_ids: set[str] = set()  # finished or preempted since the last step
+        self._num_plans = 0  # the last step's id (SchedulerOutput.step_id)
         self._step_started: list[Request] = []  # requests the step being planned took from the queue
         self._plan: PlanUndo | None = None  # while a step is planned: how to undo it
         self.failed_plan_requests: list[str] = []  # the requests the last plan that raised had reached
@@ -89,16 +90,19 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------------
 
-    def schedule(self, only: str | None = None) -> SchedulerOutput:
-        """Plan one step. ``only``: plan that request alone (nothing else runs in the step). A plan
-        that raises midway (or is interrupted) is undone whole (``engine.plan_undo``) before the
-        exception goes on; ``failed_plan_requests`` then names the requests it had reached."""
+    def schedule(self, only: str | None = None, slot: int | None = None, num_slots: int = 1) -> SchedulerOutput:
+        """Plan one step. ``only``: plan that request alone (nothing else runs in the step). ``slot`` of
+        ``num_slots``: with steps in flight, plan only the running requests of that slot, and admit
+        into it up to its share of the unfinished requests (so they split evenly between the steps in
+        flight, as vLLM's virtual engines split them). A plan that raises midway (or is interrupted) is undone whole
+        (``engine.plan_undo``) before the exception goes on; ``failed_plan_requests`` then names the
+        requests it had reached."""
         self.kv.begin_step()
         self.kv.release_behind_windows(self.running, self.waiting)  # before the plan, whose undo keeps it
         plan = self._plan = PlanUndo(self)
         self.kv.begin_plan(plan)
         try:
-            return self._schedule(only)
+            return self._schedule(only, slot, num_slots)
         except BaseException:
             plan.apply()
             self.failed_plan_requests = plan.touched_ids
@@ -107,7 +111,7 @@ class Scheduler:
             self.kv.end_plan()
             self._plan = self.waiting.log = None
 
-    def _schedule(self, only: str | None) -> SchedulerOutput:
+    def _schedule(self, only: str | None, slot: int | None = None, num_slots: int = 1) -> SchedulerOutput:
         self._step_started = []
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -118,7 +122,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if only is not None and request.request_id != only:
+            if (only is not None and request.request_id != only) or (slot is not None and request.slot != slot):
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget,
@@ -139,9 +143,9 @@ class Scheduler:
             if request is not None and request.status != RequestStatus.RUNNING:
                 self.waiting.remove(request)  # to the head of the queue, to be planned alone
                 self.waiting.appendleft(request)
-                budget = self._schedule_waiting(budget, num_scheduled, new_reqs, only)
+                budget = self._schedule_waiting(budget, num_scheduled, new_reqs, only, slot)
         elif only is None and self.stats.num_preemptions == num_preemptions_before:
-            budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs, slot=slot, num_slots=num_slots)
 
         output = SchedulerOutput(
             scheduled_new_reqs=[self._new_request_data(r) for r in new_reqs],
@@ -150,8 +154,12 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self._dropped_ids,
         )
+        self._num_plans += 1
+        output.step_id = self._num_plans
         for request_id, n in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += n
+            request = self.requests[request_id]
+            request.num_computed_tokens += n
+            request.scheduled_step = output.step_id
         if self.num_constrained:
             self._fill_grammar_bitmask(output)
         self._track_kv_peak()
@@ -188,10 +196,14 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[Request],
-                          only: str | None = None) -> int:
+                          only: str | None = None, slot: int | None = None, num_slots: int = 1) -> int:
         blocked: list[Request] = []  # n > 1 siblings whose shared prompt is not computed yet
         now = time.time()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        room = len(self.waiting)  # requests this step may admit: all, or its slot's share
+        if slot is not None and num_slots > 1:
+            share = -(-(len(self.running) + len(self.waiting)) // num_slots)
+            room = share - sum(r.slot == slot for r in self.running)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and room > 0:
             request = self.waiting[0]
             if only is not None and request.request_id != only:
                 break
@@ -223,6 +235,8 @@ class Scheduler:
                     self.stats.prefix_cache_queries += request.num_tokens
                     self.stats.prefix_cache_hits += num_cached
             request.fork_source = None
+            request.slot = slot or 0
+            room -= 1
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             self.running.append(request)
@@ -303,6 +317,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if not sampled or request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if scheduler_output.step_id and request.scheduled_step != scheduler_output.step_id:
+                continue  # planned again since this step (preempted meanwhile): its token is stale
             try:
                 output = self._update_one(request, sampled, logprobs)
             except Exception as exc:  # this request fails alone (the engine ends it), not the step
