@@ -37,7 +37,7 @@ def api_key_from_env(name: str) -> str:
 
 # engine settings that engine_kwargs may carry (the flat AppArgs keys passed to engine_config)
 ENGINE_KWARGS = frozenset({
-    "tensor_parallel_size", "pipeline_parallel_size", "pipeline_layer_split", "dtype", "device", "block_size", "enable_prefix_caching", "num_kv_blocks",
+    "tensor_parallel_size", "pipeline_parallel_size", "pipeline_layer_split", "batches_in_flight", "dtype", "device", "block_size", "enable_prefix_caching", "num_kv_blocks",
     "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "seed", "placement_strategy", "enable_expert_parallel", "attention_backend", "cascade_attention", "max_worker_restarts",
     "max_consecutive_failed_steps",
@@ -123,6 +123,7 @@ class AppArgs(BaseModel):
     # pipeline_layer_split: each stage's layer count (e.g. [10, 12, 10]) instead of as even as they go
     pipeline_parallel_size: int = 1
     pipeline_layer_split: list[int] | None = None
+    batches_in_flight: int | None = None  # steps in flight under PP (default: one per stage)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # the GPU model the engines need (Ray's accelerator_type, e.g. "A10G", "L4", "H100"): implies
