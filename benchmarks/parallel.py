@@ -33,15 +33,19 @@ def add_bench_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor x pipeline parallel sizes to compare, as TPxPP (default: 1x1 2x1 1x2)")
     parser.add_argument("--dispatch", nargs="+", default=["remote", "compiled"],
                         help="dispatch modes to try on Ray ranks")
+    parser.add_argument("--batches-in-flight", type=int, nargs="+", default=[0],
+                        help="steps in flight to try at PP > 1 (0: the default, one per stage)")
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--json", help="also write the report to this file")
 
 
-def run_one(model: str, tp: int, pp: int, dispatch: str, workload) -> dict:
+def run_one(model: str, tp: int, pp: int, dispatch: str, workload, in_flight: int = 0) -> dict:
     start = time.perf_counter()
-    with LLM(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, tp_dispatch=dispatch) as llm:
+    with LLM(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, tp_dispatch=dispatch,
+             batches_in_flight=in_flight or None) as llm:
+        in_flight = llm.core.executor.max_steps_in_flight
         startup = time.perf_counter() - start
         params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
         llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
@@ -58,7 +62,8 @@ def run_one(model: str, tp: int, pp: int, dispatch: str, workload) -> dict:
         stages = pipeline_times(llm)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     run = {
-        "tp": tp, "pp": pp, "dispatch": dispatch if tp * pp > 1 else "in-process", "startup_s": startup,
+        "tp": tp, "pp": pp, "dispatch": dispatch if tp * pp > 1 else "in-process", "in_flight": in_flight,
+        "startup_s": startup,
         "output_tokens_per_s": tokens / elapsed, "elapsed_s": elapsed,
         "step_ms": step_ms,
         "dispatch_us_median": statistics.median(dispatch_us),
@@ -79,7 +84,7 @@ def pipeline_times(llm) -> dict | None:
 
 
 def bench_parallel(model: str, configs: list[tuple[int, int]], dispatch_modes: list[str], num_requests: int = 16,
-                   prompt_len: int = 128, output_len: int = 32) -> dict:
+                   prompt_len: int = 128, output_len: int = 32, in_flight: tuple[int, ...] = (0,)) -> dict:
     from cluster.ray_env import ensure_ray
 
     start = time.perf_counter()
@@ -89,7 +94,8 @@ def bench_parallel(model: str, configs: list[tuple[int, int]], dispatch_modes: l
     runs = []
     for tp, pp in configs:
         for dispatch in (dispatch_modes if tp * pp > 1 else ["remote"]):
-            runs.append(run_one(model, tp, pp, dispatch, workload))
+            for steps in (in_flight if pp > 1 and dispatch == "remote" else (0,)):
+                runs.append(run_one(model, tp, pp, dispatch, workload, steps))
     reference = runs[0].pop("token_ids")
     same = all(r.pop("token_ids") == reference for r in runs[1:])
     return {"model": model, "ray_init_s": ray_init_s, "runs": runs, "same_tokens": same,
@@ -101,12 +107,13 @@ def format_parallel_report(report: dict) -> str:
     lines = [f"{w['num_requests']} requests x {w['prompt_len']} prompt tokens, {w['output_len']} output tokens, "
              f"greedy; ray.init {report['ray_init_s']:.1f}s; same tokens in every configuration: "
              f"{report['same_tokens']}", "",
-             "| TP | PP | dispatch | start s | output tok/s | step ms | dispatch µs p50 | p90 | per stage: compute / wait ms |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+             "| TP | PP | dispatch | in flight | start s | output tok/s | step ms | dispatch µs p50 | p90 | "
+             "per stage: compute / wait ms |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in report["runs"]:
         stages = ", ".join(f"{c:.1f} / {w:.1f}" for c, w in zip(r["stage_compute_ms"], r["stage_wait_ms"])) \
             if "stage_compute_ms" in r else ""
-        lines.append(f"| {r['tp']} | {r['pp']} | {r['dispatch']} | {r['startup_s']:.1f} | "
+        lines.append(f"| {r['tp']} | {r['pp']} | {r['dispatch']} | {r['in_flight']} | {r['startup_s']:.1f} | "
                      f"{r['output_tokens_per_s']:.1f} | {r['step_ms']:.1f} | {r['dispatch_us_median']:.0f} | "
                      f"{r['dispatch_us_p90']:.0f} | {stages} |")
     return "\n".join(lines)
@@ -117,7 +124,7 @@ def run_bench_parallel(args: argparse.Namespace) -> int:
 
     args.model = str(resolve_model(args.model))  # a directory, a Hugging Face repo id, or the default
     report = bench_parallel(args.model, args.configs, args.dispatch, args.num_requests, args.prompt_len,
-                            args.output_len)
+                            args.output_len, tuple(args.batches_in_flight))
     print(format_parallel_report(report))
     if args.json:
         with open(args.json, "w") as f:

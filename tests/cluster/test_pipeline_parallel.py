@@ -187,17 +187,18 @@ def test_a_second_stage_rank_killed_mid_run_changes_no_token(ray_cluster, five_l
 
 
 def test_bench_parallel_smoke_every_configuration_and_dispatch(ray_cluster, model_dirs):
-    """`kvserve bench-parallel` smoke-sized: in-process, TP 2 and PP 2, each by actor calls and by the
-    compiled graph, the same tokens; under PP each stage's compute and wait per step (the last stage
-    waits for the first: one batch in flight)."""
+    """`kvserve bench-parallel` smoke-sized: in-process, TP 2 and PP 2, each by actor calls (PP 2 with
+    one and two steps in flight) and by the compiled graph (one), the same tokens; under PP each
+    stage's compute and wait per step (the last stage waits for the first)."""
     from benchmarks.parallel import bench_parallel, format_parallel_report, parse_config
 
     assert [parse_config(t) for t in ("1x1", "2x1", "1x2", "2")] == [(1, 1), (2, 1), (1, 2), (2, 1)]
-    report = bench_parallel(model_dirs["llama"], [(1, 1), (2, 1), (1, 2)], ["remote", "compiled"], num_requests=2,
-                            prompt_len=16, output_len=4)
+    report = bench_parallel(model_dirs["llama"], [(1, 1), (2, 1), (1, 2)], ["remote", "compiled"], num_requests=4,
+                            prompt_len=16, output_len=4, in_flight=(1, 0))
     assert report["same_tokens"] is True
-    assert [(r["tp"], r["pp"], r["dispatch"]) for r in report["runs"]] == [
-        (1, 1, "in-process"), (2, 1, "remote"), (2, 1, "compiled"), (1, 2, "remote"), (1, 2, "compiled")]
+    assert [(r["tp"], r["pp"], r["dispatch"], r["in_flight"]) for r in report["runs"]] == [
+        (1, 1, "in-process", 1), (2, 1, "remote", 1), (2, 1, "compiled", 1), (1, 2, "remote", 1), (1, 2, "remote", 2),
+        (1, 2, "compiled", 1)]
     for run in report["runs"]:
         assert run["startup_s"] > 0 and run["output_tokens_per_s"] > 0
         assert 0 <= run["dispatch_us_median"] <= run["dispatch_us_p90"]
@@ -206,7 +207,7 @@ def test_bench_parallel_smoke_every_configuration_and_dispatch(ray_cluster, mode
             compute, wait = run["stage_compute_ms"], run["stage_wait_ms"]
             assert len(compute) == len(wait) == 2 and min(compute) > 0
             assert wait[0] == 0 and wait[1] > 0  # the first stage waits for nothing; the last for the first
-    assert "| 1 | 2 | compiled |" in format_parallel_report(report)
+    assert "| 1 | 2 | compiled | 1 |" in format_parallel_report(report)
 
 
 def test_a_stages_ranks_take_bundles_of_one_node():
