@@ -142,16 +142,18 @@ class PlanUndo:
         del kv._pending_copies[self.pending_copies:]
         kv.tier_stats.queries, kv.tier_stats.hits, kv.tier_stats.offloaded = self.tier_stats
         # 2. the blocks the plan gave out: every touched table back to its length, tail first ...
-        restore = []
+        restore, given_back = [], []
         for request_id, (request, _, table, length, num_cached) in self.touched.items():
             current = kv.req_to_blocks.get(request_id)
             if current is not None and current is not table:  # a table the plan made (or remade)
                 kv.req_to_blocks.pop(request_id)
                 pool.free_blocks(reversed(current))
+                given_back += current
             elif current is not None and len(current) > length:
                 extra = current[length:]
                 del current[length:]
                 pool.free_blocks(reversed(extra))
+                given_back += extra
             if table is not None and current is not table:  # freed by the plan (preempted): taken back below
                 restore.append((request_id, table, length, num_cached))
             elif num_cached is None:
@@ -160,6 +162,13 @@ class PlanUndo:
                 kv._num_cached_blocks[request_id] = num_cached
         if kv.num_window_groups:  # the pages of the blocks given back (none of a table restored below)
             kv.resync_windows()
+            # a block the plan handed out that nobody holds now loses the pages the plan attached to it
+            # (never written) at once, not when the plan ends: a page may be a block of a table restored
+            # below (the plan preempted its request, then handed the block out as a page), which the
+            # resync after the restore would otherwise free again as that page (a double free)
+            for block in given_back:
+                if block.window_pages is not None and not block.holds and block.block_hash is None:
+                    pool.detach(block)
         # ... then the blocks of the requests it preempted, the very same ones
         for request_id, table, length, num_cached in restore:
             del table[length:]

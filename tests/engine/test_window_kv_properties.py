@@ -155,3 +155,19 @@ def test_a_plan_undone_after_a_failed_step_alone_reads_every_window_position_rig
            ("plan_raises", dict(alone=False, at=6, data=_Draws(), method="get_forkable_blocks")),
            ("finish_by_stop_string", dict(data=_Draws("r1#0"))), ("step", {})])
     assert machine.runner.reads > 0
+
+
+def test_a_failed_plan_that_made_a_preempted_requests_block_a_page_frees_that_block_once():
+    """Found by the machine: with the pool full, a plan preempts the newest request (one block, one page)
+    and hands its page out as a new table block and its block as that block's window page, then raises.
+    Undone, the plan's block gives back its pages at once: the preempted request gets its block back as a
+    block only (its page is lost, so it is preempted again, for recompute), and the block is not freed
+    a second time as the plan's page (it was: a double free)."""
+    machine = _replay(
+        dict(layout=LAYOUTS[2], caching=False, extra=1, budget=11, max_num_seqs=4),
+        [("add", dict(eos=False, length=30, max_tokens=3, n=2, salt=None, tail=0, text=0))]
+        + [("step", {})] * 2
+        + [("add", dict(eos=False, length=2, max_tokens=2, n=1, salt=None, tail=0, text=0)), ("step", {}),
+           ("add", dict(eos=False, length=1, max_tokens=2, n=1, salt=None, tail=0, text=0)), ("step", {}),
+           ("plan_raises", dict(alone=False, at=3, data=_Draws(), method="allocate_slots"))])
+    assert machine.runner.reads > 0
