@@ -288,8 +288,8 @@ class AppArgs(BaseModel):
             raise ValueError(f"give one of api_key, api_key_env and api_key_file, not {' and '.join(given)}")
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.engine_cpus is not None \
                 and self.engine_cpus < 1:
-            raise ValueError(f"engine_cpus={self.engine_cpus:g} is less than the one CPU each tensor-parallel rank "
-                             f"actor takes: give engine_cpus >= 1 at tensor_parallel_size > 1")
+            raise ValueError(f"engine_cpus={self.engine_cpus:g} is less than the one CPU each rank actor takes: give "
+                             f"engine_cpus >= 1 at tensor_parallel_size or pipeline_parallel_size > 1")
         return self
 
     @property

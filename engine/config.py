@@ -333,6 +333,12 @@ class EngineConfig:
             self._check_expert_parallel()
         if self.parallel.pipeline_parallel_size > 1:
             self._check_pipeline_parallel()
+        elif self.parallel.pipeline_layer_split is not None:
+            self.parallel.stage_layers(self.model.hf_config["num_hidden_layers"])  # one stage: every layer
+        if (self.parallel.batches_in_flight or 1) > 1 and (self.parallel.pipeline_parallel_size == 1
+                                                           or self.parallel.tp_dispatch != "remote"):
+            raise ValueError(f"batches_in_flight={self.parallel.batches_in_flight} needs pipeline_parallel_size > 1 "
+                             f"and tp_dispatch='remote' (a step in flight per pipeline stage)")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         if not isinstance(self.max_consecutive_failed_steps, int) or self.max_consecutive_failed_steps < 2:

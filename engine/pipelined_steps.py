@@ -14,10 +14,13 @@ Why it is safe without more bookkeeping:
   that step (``SchedulerOutput.step_id``).
 
 What it gives up: a step that raises inside a rank while others are in flight cannot be rolled back
-one plan at a time (each undo restores the state its plan started from), so the steps in flight are
-drained, the ranks rebuilt and every running request recomputed, as for a lost rank; steps then run
-one at a time for ``SERIAL_STEPS_AFTER_FAILURE`` steps, where the one-step machinery
-(``engine.step_failures``) finds a request at fault and fails it alone.
+one plan at a time (each undo restores the state its plan started from), and a stage that raised
+before sending its activations leaves the next stage waiting for them (it would take the next step's
+instead): the ranks are rebuilt at once (the steps out dropped, not waited for) and every running
+request recomputed, as for a lost rank but not held against ``max_worker_restarts``; steps then run one
+at a time for ``SERIAL_STEPS_AFTER_FAILURE`` steps, where the one-step machinery
+(``engine.step_failures``) finds a request at fault and fails it alone. An interruption
+(KeyboardInterrupt) leaves the steps out as they are: the next call collects them in order.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class PipelinedSteps:
         self._in_flight: deque = deque()  # (scheduler output, executor handle, when it was sent)
         self._serial_until = 0  # steps run one at a time until timings.num_steps reaches this
         self._slot = 0  # the requests' slot the next step plans first (Scheduler.schedule(slot=...))
+        self.scheduler.num_slots = self.executor.max_steps_in_flight
 
     def _pipelining(self) -> bool:
         return (self.executor.max_steps_in_flight > 1 and not self._suspects and self._probe_id is None
@@ -59,8 +63,12 @@ class PipelinedSteps:
                     self._plan_retried = False
                 self._slot = (self._slot + 1) % depth
                 if not scheduler_output.is_empty:
-                    self._in_flight.append((scheduler_output, self.executor.submit(scheduler_output),
-                                            time.perf_counter()))
+                    try:
+                        handle = self.executor.submit(scheduler_output)
+                    except BaseException as exc:  # sent to some ranks, maybe: they are out of step
+                        self._rebuild(exc)
+                        return []
+                    self._in_flight.append((scheduler_output, handle, time.perf_counter()))
                     sent = True
                     break
         if not self._in_flight or (sent and len(self._in_flight) < self.executor.max_steps_in_flight):
@@ -68,21 +76,13 @@ class PipelinedSteps:
         return self._collect_oldest()
 
     def _collect_oldest(self) -> list[RequestOutput]:
-        scheduler_output, handle, sent_at = self._in_flight.popleft()
+        scheduler_output, handle, sent_at = self._in_flight[0]
         try:
             runner_output = self.executor.collect(handle)
-        except BaseException as exc:
-            self._drain()
-            if not isinstance(exc, WorkerFailedError):
-                self._serial_until = self.timings.num_steps + self.SERIAL_STEPS_AFTER_FAILURE
-                exc_to_raise = None if isinstance(exc, Exception) else exc
-                exc = WorkerFailedError(f"a step raised {type(exc).__name__} with other steps in flight")
-                self._recover(exc)
-                if exc_to_raise is not None:  # an interruption goes on, the engine left consistent
-                    raise exc_to_raise
-                return []
-            self._recover(exc)
+        except Exception as exc:  # noqa: BLE001 - a lost rank, or a step that raised inside one
+            self._rebuild(exc)
             return []
+        self._in_flight.popleft()  # (an interruption above leaves it out, to be collected next time)
         self._failed_in_a_row = 0
         self._failed_in_a_row_samples.clear()
         request_outputs: list[RequestOutput] = []
@@ -97,11 +97,16 @@ class PipelinedSteps:
                             runner_output.execute_time_s, 0.0)
         return request_outputs
 
-    def _drain(self) -> None:
-        """Wait for the steps still in flight and drop what they answer (their requests are recomputed)."""
-        while self._in_flight:
-            _, handle, _ = self._in_flight.popleft()
-            try:
-                self.executor.collect(handle)
-            except BaseException:  # noqa: BLE001, S110 - the ranks are rebuilt next whatever they answered
-                pass
+    def _rebuild(self, exc: BaseException) -> None:
+        """Drop the steps out and rebuild the ranks (``_recover``: every running request recomputed); a
+        lost rank is held against the restart budget, a step that raised is not, and is followed by
+        steps one at a time. An interruption goes on once the engine is consistent."""
+        self._in_flight.clear()
+        if isinstance(exc, WorkerFailedError):
+            self._recover(exc)
+        else:
+            self._serial_until = self.timings.num_steps + self.SERIAL_STEPS_AFTER_FAILURE
+            self._recover(WorkerFailedError(f"a step raised {type(exc).__name__} with other steps in flight"),
+                          budgeted=False)
+        if not isinstance(exc, Exception):
+            raise exc

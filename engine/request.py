@@ -82,6 +82,7 @@ class Request:
         self.num_blocks_sent = 0
         self.scheduled_step = 0  # the id of the last step that scheduled it (SchedulerOutput.step_id)
         self.slot = 0  # with steps in flight, the ones it runs in (Scheduler.schedule(slot=...))
+        self.admitted_step = 0  # the id of the step that last took it from the queue
         # constrained decoding: this sample's grammar matcher (opaque, from the structured output
         # backend), advanced with every accepted token; None when unconstrained or once finished
         self.grammar = None

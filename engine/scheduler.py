@@ -46,6 +46,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._dropped_ids: set[str] = set()  # finished or preempted since the last step
         self._num_plans = 0  # the last step's id (SchedulerOutput.step_id)
+        # steps in flight (engine.pipelined_steps): the slots requests split into; a request admitted by a
+        # plan of every slot (one step at a time) takes them in turn
+        self.num_slots = 1
+        self._num_admitted = 0
         self._step_started: list[Request] = []  # requests the step being planned took from the queue
         self._plan: PlanUndo | None = None  # while a step is planned: how to undo it
         self.failed_plan_requests: list[str] = []  # the requests the last plan that raised had reached
@@ -235,7 +239,9 @@ class Scheduler:
                     self.stats.prefix_cache_queries += request.num_tokens
                     self.stats.prefix_cache_hits += num_cached
             request.fork_source = None
-            request.slot = slot or 0
+            self._num_admitted += 1
+            request.admitted_step = self._num_plans + 1  # this plan's id
+            request.slot = slot if slot is not None else self._num_admitted % self.num_slots
             room -= 1
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
@@ -309,6 +315,8 @@ class Scheduler:
         self.stats.num_steps += 1
         for request_id, (first, entries) in runner_output.prompt_logprobs.items():
             request = self.requests.get(request_id)
+            if request is not None and scheduler_output.step_id and scheduler_output.step_id < request.admitted_step:
+                continue  # a step of before it was (re)admitted: another request's, or of KV it recomputes
             if request is not None and request.prompt_logprobs is not None:
                 request.add_prompt_logprobs(first, entries)
         for request_id, sampled, logprobs in zip(

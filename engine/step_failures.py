@@ -170,17 +170,19 @@ class StepFailures:
         self.scheduler.finish_requests(self.outputs.sample_ids_of(request_id), RequestStatus.FINISHED_ERROR)
         return self.outputs.fail(request_id, f"the engine failed while running this request ({kind})")
 
-    def _recover(self, failure: WorkerFailedError) -> None:
+    def _recover(self, failure: WorkerFailedError, budgeted: bool = True) -> None:
         """Rebuild the ranks and recompute every running request; the step that failed is lost
         whole (its tokens were never appended). At most ``max_worker_restarts`` rebuilds within
         ``worker_restart_window_s`` (a failure that comes back after every rebuild must not loop
         forever), each after the first waiting a doubling backoff; beyond that, or if the ranks
-        cannot be rebuilt, the engine is dead: this and every later step raise EngineDeadError."""
+        cannot be rebuilt, the engine is dead: this and every later step raise EngineDeadError.
+        ``budgeted=False``: a rebuild that is not the ranks' fault (a step raised with others in flight,
+        ``engine.pipelined_steps``): not held against that budget, and made at once."""
         cfg = self.config
         now = time.monotonic()
         while self._restart_times and now - self._restart_times[0] > cfg.worker_restart_window_s:
             self._restart_times.popleft()
-        recent = len(self._restart_times)
+        recent = len(self._restart_times) if budgeted else 0
         if recent >= cfg.max_worker_restarts:
             self._dead = EngineDeadError(
                 f"the workers failed again after {recent} restarts within "
@@ -193,7 +195,8 @@ class StepFailures:
         self._failed_in_a_row_samples.clear()
         if recent:
             time.sleep(cfg.worker_restart_backoff_s * 2 ** (recent - 1))
-        self._restart_times.append(time.monotonic())
+        if budgeted:
+            self._restart_times.append(time.monotonic())
         self.num_worker_restarts += 1
         try:
             self.executor.restart()

@@ -63,6 +63,11 @@ def test_configurations_refused_before_any_rank_starts(model_dirs, five_layers):
         engine_config(model_dirs["llama"], pipeline_parallel_size=3)
     with pytest.raises(ValueError, match=r"gives 4 layers; the model has 5"):
         engine_config(five_layers[0], pipeline_parallel_size=2, pipeline_layer_split=[1, 3])
+    with pytest.raises(ValueError, match=r"pipeline_layer_split \[4\] gives 4 layers; the model has 5"):
+        engine_config(five_layers[0], pipeline_layer_split=[4])
+    for kwargs in (dict(batches_in_flight=2), dict(pipeline_parallel_size=2, tp_dispatch="compiled", batches_in_flight=2)):
+        with pytest.raises(ValueError, match="needs pipeline_parallel_size > 1 and tp_dispatch='remote'"):
+            engine_config(five_layers[0], **kwargs)
     config = engine_config(five_layers[0], pipeline_parallel_size=2, tensor_parallel_size=2)
     assert config.parallel.world_size == 4
 
