@@ -53,7 +53,8 @@ GAUGES = {
     "host_kv_cache_usage": ("host_kv_cache_usage_perc", "Share of the host KV tier's blocks in use (0-1)."),
     "host_kv_cache_blocks": ("host_kv_cache_blocks", "Blocks of the host KV tier on each rank (0: no tier)."),
     "num_kv_blocks": ("kv_cache_blocks", "Blocks of the KV pool (the null block included)."),
-    "kv_bytes_per_block_per_rank": ("kv_cache_block_bytes", "Bytes of one KV block on each rank, in the pool's "
+    "kv_bytes_per_block_per_rank": ("kv_cache_block_bytes", "Bytes of one KV block on each rank (under pipeline "
+                                    "parallelism the rank of the stage with the most layers), in the pool's "
                                     "format (kv_cache_dtype)."),
 }
 # an info family (value 1): the KV pool's format as a label

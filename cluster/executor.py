@@ -66,7 +66,10 @@ class RayExecutor(Executor):
 
     def _collect_kv_cache_info(self) -> dict:
         ranks = self.group.kv_cache_info()
-        return {**ranks[0], "kv_pool_bytes_by_rank": [r["kv_pool_bytes_per_rank"] for r in ranks],
+        # per-rank figures of the rank with the most KV (under pipeline parallelism stages differ by their
+        # layers; the by-rank list is exact)
+        largest = max(ranks, key=lambda r: r["kv_bytes_per_block_per_rank"])
+        return {**largest, "kv_pool_bytes_by_rank": [r["kv_pool_bytes_per_rank"] for r in ranks],
                 "kv_bytes_per_block_all_ranks": sum(r["kv_bytes_per_block_per_rank"] for r in ranks),
                 "worker_nodes": [info["node_id"] for info in self.group.node_info]}
 

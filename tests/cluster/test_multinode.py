@@ -1,5 +1,6 @@
-"""Two Ray nodes on this machine: a TP=2 group spread across both gives the TP=1 tokens; losing a
-node with nowhere to rebuild fails the pending requests with a clear error instead of hanging."""
+"""Two Ray nodes on this machine: a TP=2 group spread across both gives the TP=1 tokens, and so do PP=2
+stages one on each; losing a node with nowhere to rebuild fails the pending requests with a clear
+error instead of hanging (last: it removes the second node)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,20 @@ def test_tp2_across_two_nodes_matches_tp1(two_nodes, model_dirs):
         assert tokens(llm.generate(prompts, PARAMS)) == expected
 
 
+def test_pp2_stages_on_two_nodes_match_tp1_and_hf(two_nodes, model_dirs, hf_oracle):
+    """Each pipeline stage on a node of its own (STRICT_SPREAD, one rank per stage): the activations
+    cross between the nodes' processes, two steps in flight; the tokens of one rank, exact against HF."""
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dirs["llama"])]
+    with LLM(model=model_dirs["llama"]) as llm1:
+        expected = tokens(llm1.generate(prompts, PARAMS))
+    with LLM(model=model_dirs["llama"], pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD") as llm:
+        nodes = llm.stats()["worker_nodes"]
+        assert len(set(nodes)) == 2, nodes
+        assert tokens(llm.generate(prompts, PARAMS)) == expected
+    for prompt, out in zip(prompts, expected):
+        hf_oracle("llama").assert_greedy(prompt["prompt_token_ids"], out)
+
+
 def test_lost_node_without_a_replacement_fails_requests_clearly(two_nodes, model_dirs):
     cluster, second = two_nodes
     prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dirs["opt"])]
@@ -53,3 +68,4 @@ def test_lost_node_without_a_replacement_fails_requests_clearly(two_nodes, model
     for i in range(len(prompts)):
         core.abort_request(str(i))
     assert llm.stats()["num_blocks_in_use"] == 0
+

@@ -155,6 +155,7 @@ def test_pp3_uneven_with_chunked_prefill_preemption_and_cache_hits(ray_cluster, 
     assert hits > 0
     pool = stats["kv_pool_bytes_by_rank"]
     assert pool[1] == 3 * pool[0] == 3 * pool[2]
+    assert stats["kv_pool_bytes_per_rank"] == pool[1]  # the per-rank figures: the stage with the most layers
 
 
 def test_pp2_mixture_of_experts_matches_one_rank(ray_cluster, mixtral_dir):
