@@ -293,19 +293,7 @@ class EngineCore(PipelinedSteps, StepFailures):
             self._recover(WorkerFailedError(f"{self._failed_in_a_row} steps failed in a row with different requests"))
             return []
         execute_wall = time.perf_counter() - execute_start
-        self._failed_in_a_row = 0
-        self._failed_in_a_row_samples.clear()
-        self._probe_id = None
-        request_outputs: list[RequestOutput] = []
-        with self.lock:
-            if only is not None:
-                self._suspects.popleft()  # it ran alone without failing
-            try:
-                self._take_outputs(scheduler_output, runner_output, request_outputs)
-            except BaseException as exc:
-                self._outputs_failed(scheduler_output, exc, request_outputs)
-                if not isinstance(exc, Exception):
-                    raise
+        request_outputs = self._step_ran(scheduler_output, runner_output, ran_alone=only is not None)
         self.timings.record(time.perf_counter() - start, runner_output.forward_time_s,
                             runner_output.execute_time_s, execute_wall - runner_output.execute_time_s)
         return request_outputs

@@ -83,16 +83,7 @@ class PipelinedSteps:
             self._rebuild(exc)
             return []
         self._in_flight.popleft()  # (an interruption above leaves it out, to be collected next time)
-        self._failed_in_a_row = 0
-        self._failed_in_a_row_samples.clear()
-        request_outputs: list[RequestOutput] = []
-        with self.lock:
-            try:
-                self._take_outputs(scheduler_output, runner_output, request_outputs)
-            except BaseException as exc:
-                self._outputs_failed(scheduler_output, exc, request_outputs)
-                if not isinstance(exc, Exception):
-                    raise
+        request_outputs = self._step_ran(scheduler_output, runner_output)
         self.timings.record(time.perf_counter() - sent_at, runner_output.forward_time_s,
                             runner_output.execute_time_s, 0.0)
         return request_outputs

@@ -120,6 +120,25 @@ class StepFailures:
         self._suspects.extendleft(reversed([s for s in reached if s not in known]))
         return []
 
+    def _step_ran(self, scheduler_output, runner_output, ran_alone: bool = False) -> list[RequestOutput]:
+        """A step came back whole: the failure streak ends, and its outputs are taken (a failure while
+        taking them fails its requests, ``_outputs_failed``). ``ran_alone``: it was the next suspect's,
+        which is cleared."""
+        self._failed_in_a_row = 0
+        self._failed_in_a_row_samples.clear()
+        self._probe_id = None
+        request_outputs: list[RequestOutput] = []
+        with self.lock:
+            if ran_alone:
+                self._suspects.popleft()  # it ran alone without failing
+            try:
+                self._take_outputs(scheduler_output, runner_output, request_outputs)
+            except BaseException as exc:
+                self._outputs_failed(scheduler_output, exc, request_outputs)
+                if not isinstance(exc, Exception):
+                    raise
+        return request_outputs
+
     def _outputs_failed(self, scheduler_output, exc: BaseException, request_outputs: list[RequestOutput]) -> None:
         """Taking a step's outputs raised (past the per-request guards). The step ran, so its KV is
         good; but which of its requests got their tokens is unknown: each one still unfinished ends
