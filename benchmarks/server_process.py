@@ -98,31 +98,30 @@ def all_pids() -> list[int]:
     return [int(e) for e in os.listdir("/proc") if e.isdigit()] if os.path.isdir("/proc") else []
 
 
-def tagged_pids(tag: str) -> list[int]:
-    needle = f"{TAG}={tag}".encode()
+def _pids_whose(entry: str, test) -> list[int]:
+    """The processes whose ``/proc/<pid>/<entry>`` (its bytes) passes ``test``; those gone meanwhile
+    or unreadable are left out."""
     pids = []
     for pid in all_pids():
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
+            with open(f"/proc/{pid}/{entry}", "rb") as f:
+                if test(f.read()):
                     pids.append(pid)
         except OSError:
             continue
     return pids
+
+
+def tagged_pids(tag: str) -> list[int]:
+    needle = f"{TAG}={tag}".encode()
+    return _pids_whose("environ", lambda environ: needle in environ.split(b"\0"))
 
 
 def pids_naming(text: str) -> list[int]:
     """The processes whose command line contains ``text`` (e.g. a Ray cluster's own temp directory,
     which its GCS, raylet and workers are started with)."""
-    needle, pids = text.encode(), []
-    for pid in all_pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if needle in f.read():
-                    pids.append(pid)
-        except OSError:
-            continue
-    return pids
+    needle = text.encode()
+    return _pids_whose("cmdline", lambda cmdline: needle in cmdline)
 
 
 def server_pids(server: Server) -> dict[int, str]:
