@@ -105,9 +105,8 @@ class WorkerGroup:
                  first_bundle: int = 0, step_timeout_s: float = 600.0, placement_timeout_s: float = 60.0,
                  actors: list | None = None):
         self.num_ranks = config.parallel.world_size
-        # the rank that samples and answers the step: the last stage's first
-        self.output_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
         self.stage_ranks = list(range(0, self.num_ranks, config.parallel.tensor_parallel_size))  # each stage's first
+        self.output_rank = self.stage_ranks[-1]  # the rank that samples and answers the step: the last stage's first
         self.pipeline = PipelineTimes(len(self.stage_ranks))
         self.config = rank_config(config)
         self.use_gpu = self.config.device == "cuda"
