@@ -12,8 +12,8 @@ tokens counts as present once the step is planned.
 from __future__ import annotations
 
 import logging
-import time
 
+from engine.admission import admit_waiting
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_layout import KVLayout
 from engine.messages import (
@@ -147,9 +147,9 @@ class Scheduler:
             if request is not None and request.status != RequestStatus.RUNNING:
                 self.waiting.remove(request)  # to the head of the queue, to be planned alone
                 self.waiting.appendleft(request)
-                budget = self._schedule_waiting(budget, num_scheduled, new_reqs, only, slot)
+                budget = admit_waiting(self, budget, num_scheduled, new_reqs, only, slot)
         elif only is None and self.stats.num_preemptions == num_preemptions_before:
-            budget = self._schedule_waiting(budget, num_scheduled, new_reqs, slot=slot, num_slots=num_slots)
+            budget = admit_waiting(self, budget, num_scheduled, new_reqs, slot=slot, num_slots=num_slots)
 
         output = SchedulerOutput(
             scheduled_new_reqs=[self._new_request_data(r) for r in new_reqs],
@@ -198,60 +198,6 @@ class Scheduler:
             if victim is request:
                 return False
         return True
-
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[Request],
-                          only: str | None = None, slot: int | None = None, num_slots: int = 1) -> int:
-        blocked: list[Request] = []  # n > 1 siblings whose shared prompt is not computed yet
-        now = time.time()
-        room = len(self.waiting)  # requests this step may admit: all, or its slot's share
-        if slot is not None and num_slots > 1:
-            share = -(-(len(self.running) + len(self.waiting)) // num_slots)
-            room = share - sum(r.slot == slot for r in self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and room > 0:
-            request = self.waiting[0]
-            if only is not None and request.request_id != only:
-                break
-            self._plan.touch(request)
-            source = request.fork_source
-            if source is not None and source.is_finished:
-                source = request.fork_source = None
-            if source is not None and source.num_computed_tokens < source.num_prompt_tokens:
-                blocked.append(self.waiting.popleft())
-                continue
-            # a request still computing prompt logprobs looks nothing up: a hit would skip their logits
-            no_lookup = source is None and request.needs_prompt_logprobs
-            if source is not None:
-                computed, num_cached = self.kv.get_forkable_blocks(request, source)
-            elif no_lookup:
-                computed, num_cached = [], 0
-            else:
-                computed, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
-            if self.kv.allocate_slots(request, num_new, computed, num_cached) is None:
-                break
-            self.waiting.popleft()
-            if request.num_cached_tokens < 0:  # first time scheduled; recomputation is not counted
-                request.num_cached_tokens = 0 if source is not None else num_cached
-                request.first_scheduled_time = now
-                self.stats.queue_time.observe(now - request.arrival_time)
-                self.stats.num_prompt_tokens += request.num_prompt_tokens
-                if source is None and self.kv.enable_caching and not no_lookup:
-                    self.stats.prefix_cache_queries += request.num_tokens
-                    self.stats.prefix_cache_hits += num_cached
-            request.fork_source = None
-            self._num_admitted += 1
-            request.admitted_step = self._num_plans + 1  # this plan's id
-            request.slot = slot if slot is not None else self._num_admitted % self.num_slots
-            room -= 1
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            self.running.append(request)
-            self._step_started.append(request)
-            new_reqs.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-        self.waiting.extendleft(reversed(blocked))
-        return budget
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         block_ids = self.kv.get_block_ids(request.request_id)
