@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from engine.tokenizer import ChatTemplateError
-from tests.engine.test_chat_template import both, hf_render, model_dir
+from tests.engine.chat_templates import both, hf_render, model_dir
 
 GEMMA2 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
           "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.test_chat_template import CONVERSATIONS, TOOLS, both, hf_render, model_dir
+from tests.engine.chat_templates import CONVERSATIONS, TOOLS, both, hf_render, model_dir
 
 # Qwen3's template, in its shipped shape.
 QWEN3 = r"""{%- if tools %}
