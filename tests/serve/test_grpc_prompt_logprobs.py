@@ -1,5 +1,5 @@
 """gRPC's prompt_logprobs and truncate_prompt_tokens (api/grpc_serving.py), on the server of
-tests/serve/test_grpc.py: the engine's values in the proto's shape, unary and streamed; a truncated
+tests/serve/grpc_harness.py: the engine's values in the proto's shape, unary and streamed; a truncated
 prompt answers as the truncated prompt does."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tests.serve.test_grpc import GREEDY, TIMEOUT_S, model_dir, offline, reference, request, server  # noqa: F401
+from tests.serve.grpc_harness import GREEDY, TIMEOUT_S, model_dir, offline, reference, request, server  # noqa: F401
 
 PROMPT = [5, 17, 300, 41, 9, 77, 120]
 
