@@ -989,6 +989,12 @@ void check_int32(const at::Tensor& t, const char* name) {
               name, " must be a contiguous int32 CPU tensor");
 }
 
+// Tokens per parallel chunk of a K/V store: chunks of at least `values` values of each pool (kv_heads x d
+// per token), so a small store stays on one thread and a prefill's tens of MiB spread over all.
+inline int64_t store_grain(int64_t values, int64_t kv_heads, int64_t d) {
+  return std::max<int64_t>(1, values / std::max<int64_t>(1, kv_heads * d));
+}
+
 // Store the step's K/V (key/value [tokens, kv_heads, head_dim]) into the pool slots of slot_mapping.
 template <typename scalar_t>
 void store_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool, at::Tensor& v_pool,
@@ -1002,8 +1008,7 @@ void store_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   const int64_t slot_stride = kv_heads * d;
   // tokens split across threads, pieces of at least 8192 values of each pool (a prefill's K/V are tens of
   // MiB: copied on one thread, they took some 5% of a 24 x 520-token prefill's attention on two)
-  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, kv_heads * d));
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, store_grain(8192, kv_heads, d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < kv_heads; ++h) {
         std::memcpy(kp + slots[t] * slot_stride + h * d, k + t * key.stride(0) + h * key.stride(1),
@@ -1029,8 +1034,7 @@ void store_kv_quantized_impl(const at::Tensor& key, const at::Tensor& value, at:
   const scalar_t* v = value.data_ptr<scalar_t>();
   uint8_t* kp = k_pool.data_ptr<uint8_t>();
   uint8_t* vp = v_pool.data_ptr<uint8_t>();
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, kv_heads * d));
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, store_grain(4096, kv_heads, d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < kv_heads; ++h) {
         quantize_row(k + t * key.stride(0) + h * key.stride(1), d, fmt, kp + slots[t] * slot_stride + h * row);
