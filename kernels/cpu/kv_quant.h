@@ -1,5 +1,5 @@
 // Quantized KV pools (kv_cache_dtype other than auto): the byte layout of kernels/kv_quant.py, written
-// and read in place by paged_attention.cpp and group_attention.cpp. A pool is uint8
+// by kv_store.cpp and read in place by paged_attention.cpp and group_attention.cpp. A pool is uint8
 // [num_blocks, block_size, kv_heads, head_dim + 2]; each (token, KV head) row is head_dim one-byte
 // codes, then the row's scale as a bfloat16 (little-endian), and a value is decode(code) * scale.
 // Format ids (kernels.kv_quant.FORMAT_IDS): 0 the model's dtype (not quantized), 1 float8 e4m3fn,

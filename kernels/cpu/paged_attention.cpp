@@ -45,7 +45,7 @@
 //
 // Quantized pools (kv_format 1 .. 3, kv_quant.h; kernels/kv_quant.py is the format): the pools are uint8
 // [blocks, block_size, kv_heads, head_dim + 2] and query/key/value float32, bfloat16 or float16. The
-// store quantizes each (token, KV head) row on its own (kv_quant.h's quantize_row: the bytes of
+// store (kv_store.cpp) quantizes each (token, KV head) row on its own (kv_quant.h's quantize_row: the bytes of
 // kv_quant.quantize). Every key and value the attention reads, the step's own tokens included (read
 // back from the pool after the store, as always), is dequantized to float32 (code * scale) where the
 // half types convert theirs today: the vector kernel dequantizes each 32-key tile of the KV head into
@@ -54,6 +54,9 @@
 // paths (decode and prefill rows, fixed order, window, soft-cap, groups and the suffix merge). So the
 // output is that of format 0 over the dequantized pool in float32, to the bit for a float32 query.
 // Format 0 takes the same code as before (the pool read in place), behind one branch per key row.
+//
+// The store of the step's K/V is kv_store.cpp's store_kv; the checks of the arguments and the step's
+// metadata, run before it, are attention_checks.cpp's check_attention.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
@@ -62,7 +65,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "attention_checks.h"
 #include "group_attention.h"
+#include "kv_store.h"
 #include "kv_quant.h"
 #include "ops.h"
 #include "vec.h"
@@ -828,79 +833,6 @@ void run_group_blas(const Problem<scalar_t>& p, std::vector<Item>& items, const 
   }
 }
 
-// Every index the step's metadata hands the kernels, checked before any thread reads or writes
-// through it (a bug upstream must fail the call with its reason, never read or write outside the
-// pool): the query ranges, the block ids each sequence and group reads (in [0, num_blocks)), the
-// rows of the tables, and the groups' membership (a sequence with a shared part is a member of
-// exactly one group, whose length is its kv_start; a sequence outside groups starts at 0).
-void check_step_metadata(int64_t num_blocks, int block_size, int64_t num_tokens, const at::Tensor& block_tables,
-                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& kv_starts,
-                         const at::Tensor& group_block_tables, const at::Tensor& group_lens,
-                         const at::Tensor& group_member_start, const at::Tensor& group_members) {
-  const int64_t num_seqs = seq_lens.numel();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == num_tokens, "query_start_loc must span the ", num_tokens,
-              " query tokens");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) >= num_seqs, "block_tables needs a row for each of the ",
-              num_seqs, " sequences");
-  TORCH_CHECK(kv_starts.numel() == 0 || kv_starts.numel() == num_seqs, "kv_starts needs one entry per sequence");
-  const int32_t* starts = kv_starts.numel() ? kv_starts.data_ptr<int32_t>() : nullptr;
-  const int64_t table_width = block_tables.size(1);
-  const int32_t* tables = num_seqs ? block_tables.data_ptr<int32_t>() : nullptr;
-  auto check_blocks = [&](const int32_t* row, int64_t first, int64_t last, const char* what, int64_t index) {
-    for (int64_t b = first; b < last; ++b)
-      TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, what, " ", index, ": block ", row[b], " (entry ", b,
-                  " of its table) is outside the pool of ", num_blocks, " blocks");
-  };
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int q_len = qsl[s + 1] - qsl[s], first_pos = lens[s] - q_len, kv_begin = starts ? starts[s] : 0;
-    TORCH_CHECK(q_len >= 1 && first_pos >= 0, "sequence ", s, ": ", q_len, " query tokens do not fit its context of ",
-                lens[s]);
-    TORCH_CHECK(lens[s] <= table_width * block_size, "sequence ", s, ": its block table is too short for ", lens[s],
-                " tokens");
-    TORCH_CHECK(kv_begin >= 0 && kv_begin <= first_pos && kv_begin % block_size == 0,
-                "sequence ", s, ": a shared prefix must end on a block boundary before its queries");
-    check_blocks(tables + s * block_tables.stride(0), kv_begin / block_size, (lens[s] + block_size - 1) / block_size,
-                 "sequence", s);
-  }
-  const int64_t num_groups = group_lens.numel();
-  if (num_groups == 0) {
-    for (int64_t s = 0; starts && s < num_seqs; ++s)
-      TORCH_CHECK(starts[s] == 0, "sequence ", s, " has a shared part of ", starts[s], " tokens but no group");
-    return;
-  }
-  TORCH_CHECK(starts, "shared-prefix groups need kv_starts");
-  TORCH_CHECK(group_block_tables.dim() == 2 && group_block_tables.size(0) >= num_groups,
-              "group_block_tables needs a row for each of the ", num_groups, " groups");
-  TORCH_CHECK(group_member_start.numel() == num_groups + 1, "group_member_start needs num_groups + 1 entries");
-  const int32_t* glens = group_lens.data_ptr<int32_t>();
-  const int32_t* gstart = group_member_start.data_ptr<int32_t>();
-  const int32_t* members = group_members.numel() ? group_members.data_ptr<int32_t>() : nullptr;
-  const int32_t* gtables = group_block_tables.data_ptr<int32_t>();
-  TORCH_CHECK(gstart[0] == 0 && gstart[num_groups] == group_members.numel(),
-              "group_member_start must span group_members");
-  for (int64_t gi = 0; gi < num_groups; ++gi)  // every range inside group_members before any member is read
-    TORCH_CHECK(gstart[gi] <= gstart[gi + 1], "group_member_start must not decrease");
-  std::vector<int64_t> group_of(num_seqs, -1);
-  for (int64_t gi = 0; gi < num_groups; ++gi) {
-    TORCH_CHECK(glens[gi] > 0 && glens[gi] <= group_block_tables.size(1) * block_size,
-                "group ", gi, ": its block table is too short for ", glens[gi], " tokens");
-    check_blocks(gtables + gi * group_block_tables.stride(0), 0, (glens[gi] + block_size - 1) / block_size, "group",
-                 gi);
-    for (int mi = gstart[gi]; mi < gstart[gi + 1]; ++mi) {
-      const int s = members[mi];
-      TORCH_CHECK(s >= 0 && s < num_seqs && starts[s] == glens[gi],
-                  "group ", gi, ": member ", s, " must be a sequence whose kv_start is the group's length");
-      TORCH_CHECK(group_of[s] < 0, "sequence ", s, " is a member of groups ", group_of[s], " and ", gi);
-      group_of[s] = gi;
-    }
-  }
-  for (int64_t s = 0; s < num_seqs; ++s)
-    TORCH_CHECK(starts[s] == 0 || group_of[s] >= 0, "sequence ", s, " has a shared part of ", starts[s],
-                " tokens but no group");
-}
-
 template <typename scalar_t, int DV>
 void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_tables,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -982,142 +914,6 @@ void paged_attention_impl(const Problem<scalar_t>& p, const at::Tensor& block_ta
   }
   run_pass<scalar_t, DV>(p, items, tokens, limits, lowers, block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                         false);
-}
-
-void check_int32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.numel() == 0 || (t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu()),
-              name, " must be a contiguous int32 CPU tensor");
-}
-
-// Tokens per parallel chunk of a K/V store: chunks of at least `values` values of each pool (kv_heads x d
-// per token), so a small store stays on one thread and a prefill's tens of MiB spread over all.
-inline int64_t store_grain(int64_t values, int64_t kv_heads, int64_t d) {
-  return std::max<int64_t>(1, values / std::max<int64_t>(1, kv_heads * d));
-}
-
-// Store the step's K/V (key/value [tokens, kv_heads, head_dim]) into the pool slots of slot_mapping.
-template <typename scalar_t>
-void store_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool, at::Tensor& v_pool,
-                   const at::Tensor& slot_mapping) {
-  const int64_t tokens = key.size(0), kv_heads = key.size(1), d = key.size(2);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const scalar_t* k = key.data_ptr<scalar_t>();
-  const scalar_t* v = value.data_ptr<scalar_t>();
-  scalar_t* kp = k_pool.data_ptr<scalar_t>();
-  scalar_t* vp = v_pool.data_ptr<scalar_t>();
-  const int64_t slot_stride = kv_heads * d;
-  // tokens split across threads, pieces of at least 8192 values of each pool (a prefill's K/V are tens of
-  // MiB: copied on one thread, they took some 5% of a 24 x 520-token prefill's attention on two)
-  at::parallel_for(0, tokens, store_grain(8192, kv_heads, d), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        std::memcpy(kp + slots[t] * slot_stride + h * d, k + t * key.stride(0) + h * key.stride(1),
-                    d * sizeof(scalar_t));
-        std::memcpy(vp + slots[t] * slot_stride + h * d, v + t * value.stride(0) + h * value.stride(1),
-                    d * sizeof(scalar_t));
-      }
-    }
-  });
-}
-
-// The same into a quantized pool (uint8 [blocks, block_size, kv_heads, head_dim + 2]): each (token, KV
-// head) row quantized on its own (kv_quant.h), tokens split across threads (a row's bytes depend on
-// that row alone, so the split changes nothing).
-template <typename scalar_t>
-void store_kv_quantized_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool, at::Tensor& v_pool,
-                             const at::Tensor& slot_mapping, int fmt) {
-  const int64_t tokens = key.size(0), kv_heads = key.size(1);
-  const int d = static_cast<int>(key.size(2));
-  const int64_t row = d + kKvScaleBytes, slot_stride = kv_heads * row;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const scalar_t* k = key.data_ptr<scalar_t>();
-  const scalar_t* v = value.data_ptr<scalar_t>();
-  uint8_t* kp = k_pool.data_ptr<uint8_t>();
-  uint8_t* vp = v_pool.data_ptr<uint8_t>();
-  at::parallel_for(0, tokens, store_grain(4096, kv_heads, d), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        quantize_row(k + t * key.stride(0) + h * key.stride(1), d, fmt, kp + slots[t] * slot_stride + h * row);
-        quantize_row(v + t * value.stride(0) + h * value.stride(1), d, fmt, vp + slots[t] * slot_stride + h * row);
-      }
-  });
-}
-
-void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_pool, at::Tensor& v_pool,
-              const at::Tensor& slot_mapping, int kv_format) {
-  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [tokens, kv_heads, head_dim]");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value need a contiguous last axis");
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous(),
-              "the KV pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
-  const int64_t width = key.size(2) + (kv_format ? kKvScaleBytes : 0);
-  TORCH_CHECK(k_pool.size(2) == key.size(1) && k_pool.size(3) == width, "key does not match the pool");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == key.size(0),
-              "slot_mapping must be contiguous int64 with one slot per token");
-  if (kv_format) {
-    TORCH_CHECK(k_pool.scalar_type() == at::kByte && v_pool.scalar_type() == at::kByte &&
-                    value.scalar_type() == key.scalar_type() &&
-                    (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16 ||
-                     key.scalar_type() == at::kHalf),
-                "a quantized KV pool is uint8 and its K/V float32, bfloat16 or float16 (one dtype)");
-  } else {
-    TORCH_CHECK(key.scalar_type() == k_pool.scalar_type() && value.scalar_type() == v_pool.scalar_type(),
-                "K/V and the pools must share a dtype");
-  }
-  TORCH_CHECK(v_pool.sizes() == k_pool.sizes(), "the K and V pools must have one shape");
-  // every slot checked before any is written: a bad slot fails the call and leaves the pool as it was
-  const int64_t num_slots = k_pool.size(0) * k_pool.size(1);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
-                " is outside the pool's ", num_slots, " slots");
-  if (kv_format) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "kvserve_store_kv", [&] {
-      store_kv_quantized_impl<scalar_t>(key, value, k_pool, v_pool, slot_mapping, kv_format);
-    });
-    return;
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "kvserve_store_kv", [&] {
-    store_kv_impl<scalar_t>(key, value, k_pool, v_pool, slot_mapping);
-  });
-}
-
-// Everything the attention pass reads through, checked before the step's K/V are stored: a call that
-// fails leaves the pool as it was.
-void check_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                     const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& kv_starts, const at::Tensor& group_block_tables, const at::Tensor& group_lens,
-                     const at::Tensor& group_member_start, const at::Tensor& group_members, int64_t kv_format) {
-  TORCH_CHECK(kv_format >= 0 && kv_format < kKvFormats, "kv_format must be 0 (the model's dtype), 1 (fp8_e4m3), ",
-              "2 (fp8_e5m2) or 3 (int8), got ", kv_format);
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim], last axis contiguous");
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes(),
-              "the KV pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
-  if (kv_format) {
-    TORCH_CHECK(k_pool.scalar_type() == at::kByte && v_pool.scalar_type() == at::kByte &&
-                    k_pool.size(3) == query.size(2) + kKvScaleBytes,
-                "a quantized KV pool (kv_format ", kv_format, ") must be uint8 [blocks, block_size, kv_heads, ",
-                "head_dim + 2] (head_dim ", query.size(2), ": a last dimension of ", query.size(2) + kKvScaleBytes,
-                "), got ", k_pool.scalar_type(), " with a last dimension of ", k_pool.size(3));
-    TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
-                    query.scalar_type() == at::kHalf,
-                "with a quantized KV pool, query must be float32, bfloat16 or float16, got ", query.scalar_type());
-  } else {
-    TORCH_CHECK(query.scalar_type() == k_pool.scalar_type(), "query and the pools must share a dtype");
-    TORCH_CHECK(query.size(2) == k_pool.size(3), "query and pool head_dim differ");
-  }
-  TORCH_CHECK(query.size(1) % k_pool.size(2) == 0, "query heads must be a multiple of KV heads");
-  check_int32(block_tables, "block_tables");
-  check_int32(query_start_loc, "query_start_loc");
-  check_int32(seq_lens, "seq_lens");
-  check_int32(kv_starts, "kv_starts");
-  check_int32(group_block_tables, "group_block_tables");
-  check_int32(group_lens, "group_lens");
-  check_int32(group_member_start, "group_member_start");
-  check_int32(group_members, "group_members");
-  TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1, "query_start_loc needs num_seqs + 1 entries");
-  check_step_metadata(k_pool.size(0), static_cast<int>(k_pool.size(1)), query.size(0), block_tables, query_start_loc,
-                      seq_lens, kv_starts, group_block_tables, group_lens, group_member_start, group_members);
 }
 
 // Attention of `query` over the pool into `out` (its inputs passed check_attention).
