@@ -68,8 +68,8 @@ def _defaults() -> tuple[int, int]:
 
 
 def default_kv_bytes() -> int:
-    """kvserve's KV budget on a CPU when none is given (``workers.worker.CPU_DEFAULT_KV_BYTES``)."""
-    from workers.worker import CPU_DEFAULT_KV_BYTES
+    """kvserve's KV budget on a CPU when none is given (``engine.config.CPU_DEFAULT_KV_BYTES``)."""
+    from engine.config import CPU_DEFAULT_KV_BYTES
 
     return CPU_DEFAULT_KV_BYTES
 

@@ -11,8 +11,54 @@ class PlacementError(RuntimeError):
     """The cluster cannot hold the worker group; the message says what was asked and what exists."""
 
 
-def bundle_for(use_gpu: bool, num_cpus_per_rank: float = 1.0) -> dict[str, float]:
-    return {"GPU": 1.0, "CPU": num_cpus_per_rank} if use_gpu else {"CPU": num_cpus_per_rank}
+def bundle_for(use_gpu: bool, num_cpus_per_rank: float = 1.0, memory: int = 0) -> dict[str, float]:
+    """One rank's bundle; ``memory``: the bytes of host memory it holds (``cluster.memory_plan``), 0 to
+    reserve none."""
+    bundle = {"GPU": 1.0, "CPU": num_cpus_per_rank} if use_gpu else {"CPU": num_cpus_per_rank}
+    if memory > 0:
+        bundle["memory"] = float(memory)
+    return bundle
+
+
+def _amount(key: str, value: float) -> str:
+    return f"{value / 2**30:.2f} GiB" if "memory" in key else f"{value:g}"
+
+
+def _show(resources: dict[str, float]) -> str:
+    return ", ".join(f"{k} {_amount(k, v)}" for k, v in resources.items() if not k.startswith("node:"))
+
+
+def _packs(bundles: list[dict[str, float]], nodes: list[dict[str, float]], budget: int = 100_000) -> bool:
+    """Whether every bundle can go on some node without a node's totals overflowing (a search over the
+    assignments, largest bundles first; True where the search runs out of ``budget`` steps)."""
+    keys = sorted({k for b in bundles for k in b})
+    order = sorted(bundles, key=lambda b: tuple(-b.get(k, 0.0) for k in keys))
+    left = [{k: n.get(k, 0.0) for k in keys} for n in nodes]
+    steps = 0
+
+    def place(i: int) -> bool:
+        nonlocal steps
+        if i == len(order):
+            return True
+        seen = set()
+        for node in left:
+            state = tuple(node[k] for k in keys)
+            if state in seen or any(order[i].get(k, 0.0) > node[k] + 1e-9 for k in keys):
+                continue
+            seen.add(state)
+            steps += 1
+            if steps > budget:
+                return True
+            for k in keys:
+                node[k] -= order[i].get(k, 0.0)
+            done = place(i + 1)
+            for k in keys:
+                node[k] += order[i].get(k, 0.0)
+            if done:
+                return True
+        return False
+
+    return place(0)
 
 
 def _fits(bundles: list[dict[str, float]], strategy: str) -> str | None:
@@ -20,36 +66,40 @@ def _fits(bundles: list[dict[str, float]], strategy: str) -> str | None:
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     if not nodes:
         return "the Ray cluster has no live nodes"
-    total = {k: sum(n.get(k, 0) for n in nodes) for k in bundles[0]}
-    need = {k: sum(b[k] for b in bundles) for k in bundles[0]}
-    short = [f"{k}: need {need[k]:g}, cluster has {total[k]:g}" for k in need if need[k] > total[k]]
+    keys = list(dict.fromkeys(k for b in bundles for k in b))
+    total = {k: sum(n.get(k, 0) for n in nodes) for k in keys}
+    need = {k: sum(b.get(k, 0.0) for b in bundles) for k in keys}
+    short = [f"{k}: need {_amount(k, need[k])}, cluster has {_amount(k, total[k])}" for k in keys if need[k] > total[k]]
     if short:
         return "; ".join(short)
-    if strategy == "STRICT_PACK" and not any(all(n.get(k, 0) >= need[k] for k in need) for n in nodes):
+    if strategy == "STRICT_PACK" and not any(all(n.get(k, 0) >= need[k] for k in keys) for n in nodes):
         biggest = max(nodes, key=lambda n: n.get("CPU", 0))
-        return (f"STRICT_PACK needs one node with {need}, the largest has "
-                f"{ {k: biggest.get(k, 0) for k in need} } (use placement_strategy PACK or SPREAD for multi-node)")
+        return (f"STRICT_PACK needs one node with {_show(need)}, the largest has "
+                f"{_show({k: biggest.get(k, 0) for k in keys})} (use placement_strategy PACK or SPREAD for multi-node)")
     if strategy == "STRICT_SPREAD" and len(nodes) < len(bundles):
         return f"STRICT_SPREAD needs {len(bundles)} nodes, the cluster has {len(nodes)}"
+    if strategy in ("PACK", "SPREAD") and not _packs(bundles, nodes):
+        return (f"no assignment of the bundles to nodes fits (nodes: "
+                f"{'; '.join(_show({k: n.get(k, 0) for k in keys}) for n in nodes)})")
     return None
 
 
 def create_placement_group(
     num_ranks: int, use_gpu: bool, strategy: str = "STRICT_PACK", timeout_s: float = 60.0,
-    num_cpus_per_rank: float = 1.0,
+    num_cpus_per_rank: float = 1.0, memory_per_rank: int = 0,
 ) -> PlacementGroup:
     """Reserve one bundle per rank; raise PlacementError, never hang, when it cannot be placed."""
-    bundles = [bundle_for(use_gpu, num_cpus_per_rank) for _ in range(num_ranks)]
+    bundles = [bundle_for(use_gpu, num_cpus_per_rank, memory_per_rank) for _ in range(num_ranks)]
     reason = _fits(bundles, strategy)
     if reason is not None:
-        raise PlacementError(f"cannot place {num_ranks} x {bundles[0]} with {strategy}: {reason}")
+        raise PlacementError(f"cannot place {num_ranks} x {{{_show(bundles[0])}}} with {strategy}: {reason}")
     group = placement_group(bundles, strategy=strategy)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
         raise PlacementError(
-            f"{num_ranks} x {bundles[0]} with {strategy} was not placed within {timeout_s:g}s; "
-            f"available now: {ray.available_resources()}"
+            f"{num_ranks} x {{{_show(bundles[0])}}} with {strategy} was not placed within {timeout_s:g}s; "
+            f"available now: {_show(ray.available_resources())}"
         )
     return group
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
@@ -71,14 +72,34 @@ def cluster_cpus() -> tuple[float, float] | None:
     return None
 
 
-def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | None) -> Reservations:
+def cluster_memory() -> list[float] | None:
+    """Each live node's ``memory`` resource (bytes) where the application will run, or None when that
+    cannot be known here. Before a local cluster starts: Ray's own default for this machine (its
+    available memory less the object store's default 30% of the total)."""
+    try:
+        if ray.is_initialized():
+            return [n["Resources"].get("memory", 0.0) for n in ray.nodes() if n.get("Alive")] or None
+        from ray._private.services import canonicalize_bootstrap_address
+
+        if canonicalize_bootstrap_address(None) is None:
+            meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+            total, available = (int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
+            return [max(0.0, available - 0.3 * total)]
+    except Exception:  # noqa: BLE001 - an unknown cluster: nothing is checked
+        pass
+    return None
+
+
+def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | None,
+                      rank_memory: int = 0) -> Reservations:
     """Each replica's bundles: [replica] + [engine (the model at tp = 1)] or [replica, scheduler] +
     [rank] * tp * pp. The engine (or each rank) takes ``engine_cpus``; the replica, the scheduler actor at
     tp > 1 and the Ingress take ``proxy_cpus``, by default 0.5 or what the cluster leaves over (0
     where it leaves nothing: they then share bundle 0, the engine's or rank 0's). ``cpus`` is (largest
     node, cluster) or None (unknown: nothing is checked). Raises ValueError, naming the setting to
     change, when the reservations cannot fit: a placement group that can never be placed would leave
-    every request waiting."""
+    every request waiting. ``rank_memory``: the bytes of host memory each rank (or the engine at tp = 1)
+    reserves (``cluster.memory_plan.bundle_memory``; 0: none)."""
     tp = args.tensor_parallel_size * args.pipeline_parallel_size  # the ranks (one engine at 1)
     high = args.replica_range[1]
     engine_cpus = default_engine_cpus(args, use_gpu, cpus)
@@ -111,7 +132,8 @@ def plan_reservations(args: AppArgs, use_gpu: bool, cpus: tuple[float, float] | 
     gpu = {"GPU": 1.0} if use_gpu else {}
     if use_gpu and args.accelerator_type is not None:  # Ray's node label resource for that GPU model
         gpu[f"accelerator_type:{args.accelerator_type}"] = 0.001
-    engine = [{"CPU": engine_cpus, **gpu}] * tp
+    memory = {"memory": float(rank_memory)} if rank_memory > 0 else {}
+    engine = [{"CPU": engine_cpus, **gpu, **memory}] * tp
     share = None if use_gpu else engine_cpus * tp + proxy * (shared + 1)
     if proxy > 0:
         aux = [{"CPU": proxy}] * shared

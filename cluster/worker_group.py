@@ -24,6 +24,7 @@ from ray.exceptions import RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.memory_plan import bundle_memory, memory_refusal
 from cluster.placement import PlacementError, create_placement_group, rank_bundles
 from cluster.ray_env import cluster_has_gpus
 from cluster.scheduler_actor import task_events_enabled
@@ -113,8 +114,13 @@ class WorkerGroup:
         self.step_timeout_s = step_timeout_s
         self.owns_placement_group = placement_group is None
         if placement_group is None:
+            refusal = memory_refusal(self.config, self.use_gpu,
+                                     [n["Resources"].get("memory", 0.0) for n in ray.nodes() if n.get("Alive")])
+            if refusal is not None:
+                raise PlacementError(refusal)
             placement_group = create_placement_group(
-                self.num_ranks, self.use_gpu, config.parallel.placement_strategy, placement_timeout_s)
+                self.num_ranks, self.use_gpu, config.parallel.placement_strategy, placement_timeout_s,
+                memory_per_rank=bundle_memory(self.config, self.use_gpu))
         elif not ray.wait([placement_group.ready()], timeout=placement_timeout_s)[0]:
             raise PlacementError(f"the placement group for {self.num_ranks} ranks is not ready after "
                                  f"{placement_timeout_s:g}s")

@@ -138,6 +138,12 @@ class ModelConfig:
         )
 
 
+# a CPU rank's KV pool when no size is given: this many bytes (or a quarter of the memory free at start,
+# if less), at most this many blocks; what each rank reserves from Ray's ``memory`` (cluster.memory_plan)
+CPU_DEFAULT_KV_BYTES = 2 << 30
+CPU_DEFAULT_MAX_BLOCKS = 32768
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV pool size: ``num_kv_blocks`` if given, else ``kv_cache_memory_bytes`` per rank, else (CUDA)

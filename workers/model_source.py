@@ -15,6 +15,7 @@ the repo id (``ModelConfig.source``) and ``localize`` points it at the copy wher
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from pathlib import Path
@@ -101,3 +102,20 @@ def localize(config: EngineConfig) -> EngineConfig:
     """``config`` with its model path valid on this node (see ``localize_model``)."""
     model = localize_model(config.model)
     return config if model is config.model else dataclasses.replace(config, model=model)
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a Hugging Face model directory, sharded or not."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    present = sorted(p.name for p in model_dir.iterdir()) if model_dir.is_dir() else []
+    raise FileNotFoundError(
+        f"no safetensors checkpoint in {model_dir}: expected model.safetensors or "
+        f"model.safetensors.index.json (found: {', '.join(present) or 'nothing'}); "
+        "convert other formats with transformers' save_pretrained(safe_serialization=True)"
+    )

@@ -7,7 +7,6 @@ rows or columns of its own rank.
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 from safetensors import safe_open
+
+from workers.model_source import checkpoint_files
 
 ShardId = str | int | None
 # (fused parameter part, checkpoint part, shard id), e.g. ("qkv_proj", "k_proj", "k")
@@ -46,23 +47,6 @@ class TensorSlice:
 
     def get_shape(self) -> list[int]:
         return list(self.tensor.shape)
-
-
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a Hugging Face model directory, sharded or not."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
-    present = sorted(p.name for p in model_dir.iterdir()) if model_dir.is_dir() else []
-    raise FileNotFoundError(
-        f"no safetensors checkpoint in {model_dir}: expected model.safetensors or "
-        f"model.safetensors.index.json (found: {', '.join(present) or 'nothing'}); "
-        "convert other formats with transformers' save_pretrained(safe_serialization=True)"
-    )
 
 
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, WeightSlice]]:

@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
+from engine.config import CPU_DEFAULT_KV_BYTES, CPU_DEFAULT_MAX_BLOCKS, EngineConfig
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 from workers.allocator import tune_malloc
 from workers.cuda_graphs import graph_memory_reserve
@@ -22,8 +22,6 @@ from workers.parallel_state import PipelineStage, TPGroup
 
 # With no explicit KV size on CPU: this much memory at most, a quarter of what is free at least,
 # and no more blocks than this (a pool beyond it only grows the prefix cache, at Python cost).
-CPU_DEFAULT_KV_BYTES = 2 << 30
-CPU_DEFAULT_MAX_BLOCKS = 32768
 
 
 def resolve_device(device: str) -> torch.device:

@@ -1,6 +1,7 @@
 """`serve run` of the shipped config at pipeline_parallel_size 2 on a Ray cluster of two nodes started
-on this machine (`ray start`, each node its own temp directory and ports): the stages' ranks on
-different nodes, and the openai client's greedy completion equal to the offline engine's."""
+on this machine (`ray start`, each node its own temp directory and ports) whose memory holds one rank
+each: the stages' ranks on different nodes (placed there by the memory each rank's bundle reserves),
+and the openai client's greedy completion equal to the offline engine's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import tempfile
 
 import openai
 
-from engine import LLM, SamplingParams
+from cluster.memory_plan import bundle_memory
+from engine import LLM, SamplingParams, engine_config
 from tests.serve.serve_harness import free_port, wait_for
 from tests.serve.test_serve_cli import RAY, ROOT, SERVE, completes, config_for, env, stop_cluster
 
@@ -35,13 +37,15 @@ def start_node(temp_dir: str, *args: str) -> None:
 
 def test_serve_run_at_pp2_across_two_nodes_answers_the_openai_client(model_dirs, tmp_path):
     model = model_dirs["llama"]
+    # each node's memory holds one rank's reservation and not two (by CPUs one node would take both)
+    node_memory = int(1.5 * bundle_memory(engine_config(model, pipeline_parallel_size=2, num_kv_blocks=256),
+                                          use_gpu=False))
     prompt = "The quick brown fox"
     with LLM(model=model, num_kv_blocks=256) as llm:
         expected = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-    # a bundle per rank and none beside them (proxy_cpus 0: the replica and scheduler actor share rank 0's),
-    # each on a node of its own
-    path, base_url = config_for(model, tmp_path, pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD",
-                                proxy_cpus=0)
+    # a bundle per rank and none beside them (proxy_cpus 0: the replica and scheduler actor share rank 0's);
+    # PACK would put both on one node but for their memory
+    path, base_url = config_for(model, tmp_path, pipeline_parallel_size=2, placement_strategy="PACK", proxy_cpus=0)
     path.write_text(path.read_text().replace("proxy_location: EveryNode", "proxy_location: HeadOnly"))
     head_dir = tempfile.mkdtemp(prefix="kvpp", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     node_dir = tempfile.mkdtemp(prefix="kvpp", dir="/tmp")
@@ -49,8 +53,8 @@ def test_serve_run_at_pp2_across_two_nodes_answers_the_openai_client(model_dirs,
     address = f"127.0.0.1:{port}"
     proc = None
     try:
-        start_node(head_dir, "--head", f"--port={port}", "--include-dashboard=false")
-        start_node(node_dir, f"--address={address}")
+        start_node(head_dir, "--head", f"--port={port}", "--include-dashboard=false", f"--memory={node_memory}")
+        start_node(node_dir, f"--address={address}", f"--memory={node_memory}")
         proc = subprocess.Popen([SERVE, "run", str(path)], cwd=ROOT, env={**env(), "RAY_ADDRESS": address},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         wait_for(lambda: proc.poll() is not None or completes(base_url), timeout_s=240, interval_s=1)

@@ -1,0 +1,161 @@
+"""The host memory each rank of an engine holds, reserved as Ray's ``memory`` resource in its
+placement-group bundle, so that Ray puts a rank only on a node that can hold it: a model whose weights
+exceed one node's memory is placed a pipeline stage per node, and one that no split fits is refused
+before start with a sentence naming the rank's needs and the largest node.
+
+A rank's need on a CPU device: its share of the weights (its stage's layers, the embedding on the first
+stage, the final norm and LM head on the last, the embedding again there where the LM head is tied to
+it; all divided by the tensor-parallel size), its KV pool (``kv_cache_memory_bytes``, else
+``num_kv_blocks`` blocks, else the CPU default of ``engine.config.CPU_DEFAULT_KV_BYTES``), its host KV
+tier, and ``RANK_RUNTIME_BYTES`` for the process itself. On a GPU the weights and the pool are in device
+memory: the reservation is the runtime and the host tier. The weights are counted from the
+checkpoint's safetensors headers (nothing is read), in the dtype the engine runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import CPU_DEFAULT_KV_BYTES, CPU_DEFAULT_MAX_BLOCKS, EngineConfig
+
+# a rank process beyond its weights and pool: the interpreter, torch and its kernels, the Ray worker
+# runtime and a step's activations (a CPU rank of the qwen3 `small` preset at PP 2 after 8 x 295-token
+# prompts: 470-530 MB resident with 64 MB of weights and 64 MB of pool; the suite checks a rank's peak
+# resident memory against its reservation, tests/cluster/test_memory_plan.py)
+RANK_RUNTIME_BYTES = 768 << 20
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's host memory need in bytes, by part."""
+
+    weights: int
+    kv: int
+    host_tier: int
+    runtime: int = RANK_RUNTIME_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.host_tier + self.runtime
+
+    def describe(self) -> str:
+        parts = [f"weights {self.weights / GIB:.2f}", f"KV pool {self.kv / GIB:.2f}"]
+        if self.host_tier:
+            parts.append(f"host KV tier {self.host_tier / GIB:.2f}")
+        parts.append(f"runtime {self.runtime / GIB:.2f}")
+        return f"{self.total / GIB:.2f} GiB ({', '.join(parts)})"
+
+
+def _safetensors_numels(path: Path) -> dict[str, int]:
+    """Each tensor's element count from a safetensors file's header (its first bytes only)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {name: math.prod(meta["shape"]) for name, meta in header.items() if name != "__metadata__"}
+
+
+def checkpoint_numels(model_dir: str | Path) -> dict[str, int]:
+    from workers.model_source import checkpoint_files
+
+    numels: dict[str, int] = {}
+    for path in checkpoint_files(model_dir):
+        numels.update(_safetensors_numels(path))
+    return numels
+
+
+def stage_weight_elements(numels: dict[str, int], stages: list[tuple[int, int]]) -> list[int]:
+    """Elements each pipeline stage holds (all its ranks together): layer tensors by their layer's
+    stage, embeddings on the first stage, everything else (final norm, LM head) on the last, and the
+    embedding on the last stage too where the checkpoint has no LM head (tied)."""
+    per_stage = [0] * len(stages)
+    tied = not any(name.endswith("lm_head.weight") for name in numels)
+    for name, n in numels.items():
+        layer = _LAYER.search(name)
+        if layer is not None:
+            index = int(layer.group(1))
+            stage = next((s for s, (lo, hi) in enumerate(stages) if lo <= index < hi), len(stages) - 1)
+            per_stage[stage] += n
+        elif "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
+            per_stage[0] += n
+            if tied and len(stages) > 1 and "position" not in name and "wpe" not in name:
+                per_stage[-1] += n
+        else:
+            per_stage[-1] += n
+    return per_stage
+
+
+def dtype_bytes(config: EngineConfig, use_gpu: bool) -> int:
+    """Bytes per weight element as the engine runs (``workers.worker.resolve_dtype``: for ``auto``,
+    float32 on CPU, a half type on GPU)."""
+    dtype = config.model.dtype
+    if dtype == "auto":
+        return 2 if use_gpu else 4
+    return DTYPE_BYTES.get(str(dtype), 4)
+
+
+def kv_bytes_per_block(config: EngineConfig, num_layers: int, elem: int) -> int:
+    """An upper bound of one block's bytes on a rank holding ``num_layers`` layers (every layer a
+    full-attention layer; a quantized row is head_dim codes and a two-byte scale)."""
+    hf = config.model.hf_config
+    heads = hf.get("num_attention_heads") or hf.get("n_head") or 1
+    kv_heads = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    per_rank = max(1, math.ceil(kv_heads / config.parallel.tensor_parallel_size))
+    row = head_dim + 2 if config.cache.kv_cache_dtype != "auto" else head_dim * elem
+    return 2 * num_layers * config.cache.block_size * per_rank * row
+
+
+def rank_memory(config: EngineConfig, use_gpu: bool) -> list[RankMemory]:
+    """Every rank's need, in global rank order (stage * tp + tensor-parallel index)."""
+    parallel, cache = config.parallel, config.cache
+    tp = parallel.tensor_parallel_size
+    num_layers = int(config.model.hf_config.get("num_hidden_layers") or config.model.hf_config.get("n_layer") or 1)
+    stages = parallel.stage_layers(num_layers)
+    elem = dtype_bytes(config, use_gpu)
+    weights = [math.ceil(n * elem / tp) for n in stage_weight_elements(checkpoint_numels(config.model.path), stages)]
+    needs = []
+    for (lo, hi), stage_weights in zip(stages, weights):
+        block = kv_bytes_per_block(config, hi - lo, elem)
+        if cache.kv_cache_memory_bytes is not None:
+            kv = cache.kv_cache_memory_bytes
+        elif cache.num_kv_blocks is not None:
+            kv = cache.num_kv_blocks * block
+        else:
+            kv = min(CPU_DEFAULT_KV_BYTES, CPU_DEFAULT_MAX_BLOCKS * block)
+        largest = max(b - a for a, b in stages)
+        host = cache.host_kv_blocks_for(kv_bytes_per_block(config, largest, elem)) * block
+        if use_gpu:
+            needs += [RankMemory(weights=0, kv=0, host_tier=host)] * tp
+        else:
+            needs += [RankMemory(weights=stage_weights, kv=kv, host_tier=host)] * tp
+    return needs
+
+
+def bundle_memory(config: EngineConfig, use_gpu: bool) -> int:
+    """The ``memory`` each rank bundle reserves: the largest rank's need (the bundles are alike, so any
+    rank can take any of them)."""
+    return max(need.total for need in rank_memory(config, use_gpu))
+
+
+def memory_refusal(config: EngineConfig, use_gpu: bool, node_memory: list[float]) -> str | None:
+    """Why no node can hold a rank of this engine (a sentence naming the rank's need, the largest node
+    and what to change), or None when the largest node can."""
+    if not node_memory:
+        return None
+    needs = rank_memory(config, use_gpu)
+    worst = max(range(len(needs)), key=lambda r: needs[r].total)
+    largest = max(node_memory)
+    if needs[worst].total <= largest:
+        return None
+    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+    who = "the engine" if len(needs) == 1 else f"rank {worst} (stage {worst // tp} of {pp})"
+    return (f"{who} needs {needs[worst].describe()} of memory but the largest Ray node has "
+            f"{largest / GIB:.2f} GiB: raise pipeline_parallel_size or tensor_parallel_size, lower "
+            f"kv_cache_memory_bytes, or add larger nodes")
