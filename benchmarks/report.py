@@ -171,7 +171,9 @@ def format_markdown(report: dict) -> str:
                   f"{(report.get('kvserve') or {}).get('block_size', DASH)}, max_num_seqs "
                   f"{settings.get('max_num_seqs', DASH)}, max_num_batched_tokens "
                   f"{settings.get('max_num_batched_tokens', DASH)}, KV cache "
-                  f"{_fixed((settings.get('kv_cache_memory_bytes') or 0) / 2**30, 1)} GiB; "
+                  f"{_fixed((settings.get('kv_cache_memory_bytes') or 0) / 2**30, 1)} GiB"
+                  + (f" in {settings['kv_cache_dtype']}" if settings.get("kv_cache_dtype", "auto") != "auto" else "")
+                  + "; "
                   f"{settings.get('process', '')}"
                   + (f"; {settings['repeat']} rounds, the systems taking turns, each system's best round"
                      if (settings.get("repeat") or 1) > 1 else "")

@@ -110,6 +110,7 @@ def main(argv: list[str]) -> int:
               enable_prefix_caching=engine_args["enable_prefix_caching"], max_num_seqs=engine_args["max_num_seqs"],
               max_num_batched_tokens=engine_args["max_num_batched_tokens"],
               max_model_len=engine_args["max_model_len"], kv_cache_memory_bytes=engine_args["kv_cache_memory_bytes"],
+              kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto"),
               disable_log_stats=not options.get("log_stats", False))
     start_s = time.perf_counter() - start
     engine = llm.llm_engine

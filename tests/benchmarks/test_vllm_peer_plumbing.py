@@ -107,12 +107,31 @@ def test_runner_gets_the_same_settings_as_kvserve(report, fake):
         assert s["spec"]["threads"] == 1
         assert s["spec"]["engine"] == {"block_size": 32, "enable_prefix_caching": caching, "max_num_seqs": 32,
                                        "max_num_batched_tokens": 512, "max_model_len": section["max_model_len"],
-                                       "kv_cache_memory_bytes": 2**26}
+                                       "kv_cache_memory_bytes": 2**26, "kv_cache_dtype": "auto"}
         assert [i["label"] for i in s["spec"]["instances"]] == ["first", "steady"]
         for item, v in zip(s["spec"]["instances"], (0, 1)):
             w = build_workload("shared-system-prompt", report["model"], SCALE, OUTPUT_LEN, variant=v)
             assert [r["prompt"] for r in item["workload"]["requests"]] == w.prompts
     assert report["vllm"] == {"python": fake[0].as_posix(), "threads": 1, "block_size": 32, "version": "0.0-fake"}
+
+
+def test_a_quantized_kv_pool_reaches_both_systems_and_int8_is_refused_for_vllm(fake, model_dirs, tmp_path):
+    """--kv-cache-dtype fp8 goes to vLLM's runner in its spec (kvserve's engine takes the same dict); vLLM's
+    CPU build has no int8 pool, so asking for it beside a vLLM system is refused before anything runs."""
+    python, _, tokens = fake
+    seen = tmp_path / "seen.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FAKE_SEEN", str(seen))
+        mp.setenv("FAKE_TOKENS", str(tokens))
+        quantized = bench(model_dirs["llama"], workloads=["shared-system-prompt"], systems=["vllm-cache"], scale=SCALE,
+                          output_len=OUTPUT_LEN, max_num_seqs=32, max_num_batched_tokens=512, kv_cache_gib=0.0625,
+                          kv_cache_dtype="fp8", vllm_python=str(python), vllm_threads=1, overhead_seqs=0,
+                          progress=False)
+        assert json.loads(seen.read_text().splitlines()[0])["spec"]["engine"]["kv_cache_dtype"] == "fp8"
+        assert quantized["settings"]["kv_cache_dtype"] == "fp8"
+        with pytest.raises(ValueError, match="vLLM's CPU build has no int8 KV cache"):
+            bench(model_dirs["llama"], workloads=["shared-system-prompt"], systems=["kvserve-cache", "vllm-cache"],
+                  kv_cache_dtype="int8", vllm_python=str(python), overhead_seqs=0, progress=False)
 
 
 def test_runs_from_the_runner(report):
