@@ -19,6 +19,8 @@ from the full layers' (vLLM's hybrid KV cache manager works the same way).
   the window layers, the last group's pages hold fewer layers than F and the rest of them is unused:
   inside the window a block costs F * (1 + G) layer-blocks against the plain layout's L (Gemma 3 1B:
   28 / 26, 27B: 70 / 62; 12B: even).
+- Under pipeline parallelism the pages, block tables and window tables are those of the whole model
+  (the scheduler's); each stage's pool holds only the tensor pairs its layers use (``pool_pairs``).
 
 The rule for what a window layer reads (transformers' sliding-window mask): the query at position p sees
 the keys at positions > p - window. A sequence that has computed ``s`` tokens will next query position
@@ -119,6 +121,14 @@ class KVLayout:
             j = self.window_layers.index(layer)
             return j % self.page_layers, 1 + j // self.page_layers
         return self.full_layers.index(layer), 0
+
+    def pool_pairs(self, start: int, end: int) -> tuple[int, ...]:
+        """The pool tensor pairs that layers [start, end) use, in order: the pairs a pipeline stage of
+        those layers holds (every pair for the whole model). Block ids (pages) mean the same on every
+        stage, so a stage holds each page's K/V of these pairs only; a hybrid layout's window layers
+        share the full layers' pairs (``placement``), so a stage of window layers only holds the pairs
+        they map to."""
+        return tuple(sorted({self.placement(layer)[0] for layer in range(start, end)}))
 
     def first_needed_block(self, num_computed: int, block_size: int) -> int:
         """The first block whose window pages a sequence that has computed ``num_computed`` tokens

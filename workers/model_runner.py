@@ -5,10 +5,11 @@ The attention backend is chosen once, here, from ``attention_backend`` (one log 
 runs) and travels with each step's metadata to every layer.
 
 The KV pool follows the configuration's ``KVLayout`` (``engine.kv_layout``): ``page_layers`` tensor
-pairs (``kv_pool``; one per layer for a plain layout). ``kv_caches`` stays one pair per model layer,
-layer l's being pool pair ``placement(l)[0]`` (a hybrid layout's pairs are shared by a full layer and
-window layers), so the models' forward is the same for both; each ``Attention`` module is told its
-table (``placement(l)[1]``) once, here.
+pairs (``kv_pool``; one per layer for a plain layout), under pipeline parallelism only those the
+stage's layers use (``KVLayout.pool_pairs``: block ids and window tables are the whole model's).
+``kv_caches`` stays one pair per (stage) layer, layer l's being pool pair ``placement(l)[0]`` (a hybrid
+layout's pairs are shared by a full layer and window layers), so the models' forward is the same for
+both; each ``Attention`` module is told its table (``placement(l)[1]``) once, here.
 """
 
 from __future__ import annotations
@@ -70,17 +71,18 @@ class ModelRunner:
         self.model.load_weights(iter_checkpoint(config.model.path))
         self.model.eval()
         num_layers, kv_heads, head_dim, replicated = kv_cache_shape(hf_config, tp.size)
-        self.layout = config.kv_layout()
+        # the whole model's layout (the scheduler's block and window tables), under pipeline parallelism too
+        self.layout: KVLayout = config.kv_layout()
         if self.layout.num_layers != num_layers:
             raise ValueError(f"the KV layout has {self.layout.num_layers} layers, the model's KV {num_layers}")
-        if self.stage.size > 1:  # the pool holds the stage's layers (a plain layout: EngineConfig checks)
-            self.layout = KVLayout.plain(self.stage.end - self.stage.start)
-        # a block of the pool holds page_layers layers' K/V (every layer's for a plain layout)
+        # the pool's tensor pairs: those this stage's layers use (every layer's for a plain layout of one
+        # stage, page_layers for a hybrid one); a block of the pool holds their K/V
+        self.pool_pairs = self.layout.pool_pairs(self.stage.start, self.stage.end)
         self.kv_format = kv_format(config.cache.kv_cache_dtype)
-        self.kv_spec = KVPoolSpec(self.layout.page_layers, kv_heads, head_dim, self.block_size, dtype, replicated,
+        self.kv_spec = KVPoolSpec(len(self.pool_pairs), kv_heads, head_dim, self.block_size, dtype, replicated,
                                   self.kv_format)
         self.kv_pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the pool's tensor pairs
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per model layer (pairs repeat when hybrid)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per stage layer (pairs repeat when hybrid)
         self._bind_tables()
         self.attention_backend, why = select_backend(config.attention_backend, device)
         if config.deterministic and (error := deterministic_error(self.attention_backend, dtype)):
@@ -111,22 +113,25 @@ class ModelRunner:
             prepare_runner(self)
 
     def _bind_tables(self) -> None:
-        """Tell each Attention module (in layer order) which table its layer reads."""
+        """Tell each Attention module (in layer order: this stage's layers) which table its layer reads."""
         layout = self.layout
         if not layout.hybrid:
             return
         modules = [m for m in self.model.modules() if isinstance(m, Attention)]
-        if len(modules) != layout.num_layers:
+        layers = range(self.stage.start, self.stage.end)
+        if len(modules) != len(layers):
             raise ValueError(f"a hybrid KV layout needs one Attention module per layer: {len(modules)} for "
-                             f"{layout.num_layers} layers")
-        for layer, module in enumerate(modules):
+                             f"{len(layers)} layers")
+        for layer, module in zip(layers, modules):
             if (module.window > 0) != (layer in layout.window_layers):
                 raise ValueError(f"layer {layer}'s attention window ({module.window}) disagrees with the KV layout")
             module.table = layout.placement(layer)[1]
 
     def layer_caches(self, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The per-model-layer view of a pool's tensor pairs (``KVLayout.placement``)."""
-        return [pool[self.layout.placement(layer)[0]] for layer in range(self.layout.num_layers)]
+        """The per-layer view (this stage's layers) of a pool's tensor pairs (``KVLayout.placement``, the
+        pairs numbered as ``pool_pairs`` orders them)."""
+        index = {pair: i for i, pair in enumerate(self.pool_pairs)}
+        return [pool[index[self.layout.placement(layer)[0]]] for layer in range(self.stage.start, self.stage.end)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_pool = allocate_kv_pool(self.kv_spec, num_blocks, self.device, prefault=True)
@@ -290,7 +295,12 @@ class ModelRunner:
             return self.model(input_ids, positions, kv_caches, meta)
         return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
-    def _intermediate_shape(self, num_tokens: int) -> tuple[int, int, int]:
+    def _intermediate_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """What passes between stages: the model's ``intermediate_shape`` (OPT, Gemma: the hidden state
+        alone), else the Llama family's stacked (hidden, residual)."""
+        shape = getattr(self.model, "intermediate_shape", None)
+        if shape is not None:
+            return shape(num_tokens)
         return (2, num_tokens, self.model.args.hidden_size)
 
     @staticmethod

@@ -155,8 +155,10 @@ class Worker:
         spec, stage = self.runner.kv_spec, self.stage
         if stage is None:
             return spec.bytes_per_block
-        largest = max(end - start for start, end in self.config.parallel.stage_layers(stage.num_layers))
-        return spec.bytes_per_block // (stage.end - stage.start) * largest
+        layout = self.runner.layout  # a stage's pool: the tensor pairs its layers use (KVLayout.pool_pairs)
+        largest = max(len(layout.pool_pairs(start, end))
+                      for start, end in self.config.parallel.stage_layers(stage.num_layers))
+        return spec.bytes_per_block // spec.num_layers * largest
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if scheduler_output.kv_offloads or scheduler_output.kv_restores:
