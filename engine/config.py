@@ -272,7 +272,7 @@ class EngineConfig:
                              f"that depends on the batch")
         if self.parallel.enable_expert_parallel:
             self._check_expert_parallel()
-        check_pipeline(self.parallel, self.model, self.kv_layout)
+        check_pipeline(self.parallel, self.model)
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         if not isinstance(self.max_consecutive_failed_steps, int) or self.max_consecutive_failed_steps < 2:

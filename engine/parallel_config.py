@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
-    from engine.kv_layout import KVLayout
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 TP_DISPATCH = ("remote", "compiled")
 # the architectures whose models run a stage of the layers (``pipeline_parallel_size`` > 1)
 PIPELINE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"})
+                                    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OPTForCausalLM",
+                                    "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -80,18 +79,16 @@ class ParallelConfig:
         return [(start, start + n) for start, n in zip(starts, counts)]
 
 
-def check_pipeline(parallel: ParallelConfig, model: ModelConfig, kv_layout: Callable[[], KVLayout]) -> None:
+def check_pipeline(parallel: ParallelConfig, model: ModelConfig) -> None:
     """The pipeline settings against the model (``EngineConfig``'s check): the layer split fits its
-    layers, its architecture runs in stages with a plain KV layout, and steps in flight need stages."""
+    layers, its architecture runs in stages, and steps in flight need stages. Any KV layout runs in
+    stages (a hybrid one too: each stage's pool holds the pairs its layers use, ``KVLayout.pool_pairs``)."""
     if parallel.pipeline_parallel_size > 1:
         pp = parallel.pipeline_parallel_size
         parallel.stage_layers(model.hf_config["num_hidden_layers"])  # raises for a split that does not fit
         if model.architecture not in PIPELINE_ARCHITECTURES:
             raise ValueError(f"pipeline_parallel_size {pp} is not supported for {model.architecture} (it is for "
                              f"{', '.join(sorted(PIPELINE_ARCHITECTURES))})")
-        if kv_layout().hybrid:
-            raise ValueError(f"pipeline_parallel_size {pp} needs a plain KV layout: set "
-                             f"disable_hybrid_kv_cache_manager=True for {model.architecture}'s window layers")
     elif parallel.pipeline_layer_split is not None:
         parallel.stage_layers(model.hf_config["num_hidden_layers"])  # one stage: every layer
     if (parallel.batches_in_flight or 1) > 1 and (parallel.pipeline_parallel_size == 1

@@ -16,6 +16,10 @@ Per layer and rank, as transformers computes them::
 - Gemma 3's local layers rotate with their own base (``rope_parameters["sliding_attention"]``, or
   ``rope_local_base_freq``), its global layers with theirs and their scaling (e.g. linear).
 - The LM head is tied to the embedding.
+- Under pipeline parallelism each stage builds and reads only its layers (the embedding on the first
+  and last stages, the final norm and LM head on the last); the hidden state alone passes between
+  stages. Each stage's KV pool holds the tensor pairs of its layers in the whole model's KV layout
+  (``engine.kv_layout``: hybrid or not), the block ids and window tables being the scheduler's.
 
 The norms and the GeGLU run as plain torch (the compiled and Triton layer ops implement Llama's
 forms); rotary, the linear layers and attention run on the engine's backend.
@@ -43,7 +47,8 @@ from workers.layers import (
     activation,
     rope_parameters,
 )
-from workers.parallel_state import TPGroup
+from workers.models.llama import MissingLayer, outside_stage
+from workers.parallel_state import PipelineStage, TPGroup
 from workers.weight_loader import WeightSlice, load_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -140,11 +145,20 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
+    """The embedding, the decoder layers and the final norm. Under pipeline parallelism (``stage``) the
+    layers outside the stage are ``MissingLayer``s (layer indices stay the checkpoint's, and so does
+    which layers slide), the embedding is held by the first stage and by the last (the LM head is tied
+    to it), the final norm by the last; a stage after the first takes the previous one's hidden state
+    as ``intermediate`` (Gemma carries no separate residual stream), and one before the last answers it."""
+
     def __init__(self, cfg: dict[str, Any], gemma3: bool, tp: TPGroup, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, stage: PipelineStage | None = None) -> None:
         super().__init__()
+        self.stage = stage = stage or PipelineStage.whole(cfg["num_hidden_layers"])
         hidden = cfg["hidden_size"]
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden, tp, dtype, device)
+        # the first stage embeds, the last holds the embedding for the tied LM head
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden, tp, dtype, device) \
+            if stage.is_first or stage.is_last else None
         self.embed_scale = float(torch.tensor(hidden**0.5, dtype=dtype))  # rounded to the weights' dtype, as HF
         d, positions = cfg["head_dim"], cfg["max_position_embeddings"]
         if gemma3:
@@ -164,21 +178,34 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(cfg, GemmaAttention(cfg, local_emb if s else global_emb, window if s else 0, softcap,
                                                   gemma3, tp, dtype, device), tp, dtype, device)
-            for s in self.sliding)
-        self.norm = GemmaRMSNorm(hidden, cfg["rms_norm_eps"], dtype, device)
+            if stage.holds(i) else MissingLayer() for i, s in enumerate(self.sliding))
+        self.norm = GemmaRMSNorm(hidden, cfg["rms_norm_eps"], dtype, device) if stage.is_last else None
+
+    def outside_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` (``model.``-relative) belongs to what another stage holds."""
+        if name.startswith("layers."):
+            return not self.stage.holds(int(name.split(".", 2)[1]))
+        return (name.startswith("embed_tokens.") and self.embed_tokens is None) or \
+            (name.startswith("norm.") and self.norm is None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: PagedAttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.embed_scale
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                meta: PagedAttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        if intermediate is None:
+            hidden = self.embed_tokens(input_ids) * self.embed_scale
+        else:
+            hidden = intermediate
+        layers = self.layers if self.stage.size == 1 else self.layers[self.stage.start:self.stage.end]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, meta)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.norm is not None else hidden
 
 
 class Gemma2ForCausalLM(nn.Module):
-    """One tensor-parallel rank of a Gemma 2 causal LM (``Gemma3ForCausalLM`` below: Gemma 3 text)."""
+    """One tensor-parallel rank of a Gemma 2 causal LM (``Gemma3ForCausalLM`` below: Gemma 3 text), of
+    one pipeline stage (``stage``)."""
 
     gemma3 = False
+    supports_pipeline_parallel = True
     stacked_params = (
         ("qkv_proj", "q_proj", "q"),
         ("qkv_proj", "k_proj", "k"),
@@ -187,7 +214,8 @@ class Gemma2ForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     )
 
-    def __init__(self, hf_config: dict[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hf_config: dict[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         cfg = dict(hf_config)
         if cfg.get("use_bidirectional_attention"):
@@ -198,14 +226,19 @@ class Gemma2ForCausalLM(nn.Module):
         cfg.setdefault("head_dim", cfg["hidden_size"] // heads)
         cfg.setdefault("query_pre_attn_scalar", cfg["head_dim"])
         cfg.setdefault("rms_norm_eps", 1e-6)
-        self.model = GemmaModel(cfg, self.gemma3, tp, dtype, device)
+        self.hidden_size = cfg["hidden_size"]
+        self.model = GemmaModel(cfg, self.gemma3, tp, dtype, device, stage)
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp, dtype, device,
-                                      tied_to=self.model.embed_tokens)
+                                      tied_to=self.model.embed_tokens) if self.model.stage.is_last else None
         self.final_softcap = float(cfg.get("final_logit_softcapping") or 0.0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: PagedAttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+                meta: PagedAttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
+
+    def intermediate_shape(self, num_tokens: int) -> tuple[int, int]:
+        """What a stage passes to the next: the hidden state."""
+        return (num_tokens, self.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden)
@@ -214,7 +247,7 @@ class Gemma2ForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> None:
-        load_into(self, weights, self.stacked_params, ("lm_head.weight",))
+        load_into(self, weights, self.stacked_params, ("lm_head.weight",), skip=outside_stage(self))
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
