@@ -72,8 +72,10 @@ def checkpoint_numels(model_dir: str | Path) -> dict[str, int]:
 
 def stage_weight_elements(numels: dict[str, int], stages: list[tuple[int, int]]) -> list[int]:
     """Elements each pipeline stage holds (all its ranks together): layer tensors by their layer's
-    stage, embeddings on the first stage, everything else (final norm, LM head) on the last, and the
-    embedding on the last stage too where the checkpoint has no LM head (tied)."""
+    stage, embeddings (and OPT's ``project_in``, which follows the embedding) on the first stage,
+    everything else (final norm, OPT's ``project_out``, LM head) on the last, and the token embedding on
+    the last stage too where the checkpoint has no LM head (tied); position embeddings are the first
+    stage's only."""
     per_stage = [0] * len(stages)
     tied = not any(name.endswith("lm_head.weight") for name in numels)
     for name, n in numels.items():
@@ -82,9 +84,10 @@ def stage_weight_elements(numels: dict[str, int], stages: list[tuple[int, int]])
             index = int(layer.group(1))
             stage = next((s for s, (lo, hi) in enumerate(stages) if lo <= index < hi), len(stages) - 1)
             per_stage[stage] += n
-        elif "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
+        elif "embed" in name or name.endswith(("wte.weight", "wpe.weight")) or ".project_in." in name:
             per_stage[0] += n
-            if tied and len(stages) > 1 and "position" not in name and "wpe" not in name:
+            token_embedding = not any(part in name for part in ("position", "wpe", "project_in"))
+            if tied and len(stages) > 1 and token_embedding:
                 per_stage[-1] += n
         else:
             per_stage[-1] += n

@@ -19,6 +19,7 @@ from cluster.placement import PlacementError, _fits, _packs
 from engine import LLM, SamplingParams, engine_config
 from engine.config import CPU_DEFAULT_KV_BYTES, CPU_DEFAULT_MAX_BLOCKS
 from tests.e2e.prompts import test_prompts as make_prompts
+from tests.gemma_models import gemma_dir
 from workers.model_builder import make_model
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -33,6 +34,9 @@ def models(tmp_path_factory):
         "qwen3": str(make_model("qwen3", "tiny", root / "qwen3", seed=1, num_layers=3)),  # tied to the embedding
         "mixtral": str(make_model("mixtral", "tiny", root / "mixtral", seed=1)),
         "phi3": str(make_model("phi3", "tiny", root / "phi3", seed=1)),  # fused qkv and gate_up in the checkpoint
+        "opt": str(make_model("opt", "tiny", root / "opt", seed=1)),  # learned positions, tied LM head
+        "gemma2": gemma_dir("gemma2"),  # tied LM head, window layers
+        "gemma3": gemma_dir("gemma3"),
     }
 
 
@@ -53,6 +57,8 @@ def built_stage_elements(path: str, stages: list[tuple[int, int]]) -> list[int]:
 @pytest.mark.parametrize("arch, stages", [
     ("llama", [(0, 5)]), ("llama", [(0, 1), (1, 4), (4, 5)]), ("llama", [(0, 3), (3, 5)]),
     ("qwen3", [(0, 3)]), ("qwen3", [(0, 2), (2, 3)]), ("mixtral", [(0, 1), (1, 2)]), ("phi3", [(0, 1), (1, 2)]),
+    ("opt", [(0, 1), (1, 2)]), ("gemma2", [(0, 1), (1, 4)]), ("gemma2", [(0, 2), (2, 4)]),
+    ("gemma3", [(0, 4), (4, 6)]), ("gemma3", [(0, 2), (2, 4), (4, 6)]),
 ])
 def test_the_headers_count_what_each_built_stage_holds(models, arch, stages):
     """Exactly: the embedding on the first stage (and on the last where the LM head is tied to it), each

@@ -148,6 +148,28 @@ def test_each_stage_holds_and_loads_only_its_share_of_the_checkpoint(built, arch
         assert sliding == ([True, False] * 2 if arch == "gemma2" else [True] * 5 + [False])
 
 
+def test_opt_with_projections_keeps_project_in_first_and_project_out_last(tmp_path):
+    """OPT-350m's shape (``word_embed_proj_dim`` < hidden): ``project_in`` goes with the embedding on
+    the first stage, ``project_out`` with the final norm on the last, each stage loads its share, and the
+    memory plan counts from the headers what each built stage holds."""
+    import transformers
+
+    from cluster.memory_plan import checkpoint_numels, stage_weight_elements
+
+    config = transformers.OPTConfig(vocab_size=128, hidden_size=64, word_embed_proj_dim=32, num_hidden_layers=3,
+                                    ffn_dim=96, num_attention_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.OPTForCausalLM(config).save_pretrained(tmp_path)
+    stages = [(0, 1), (1, 3)]
+    models = build_stages(str(tmp_path), stages)
+    names = [set(dict(m.named_parameters())) for m in models]
+    assert {"decoder.project_in.weight", "decoder.embed_positions.weight"} <= names[0]
+    assert "decoder.project_out.weight" not in names[0]
+    assert "decoder.project_out.weight" in names[1] and "decoder.project_in.weight" not in names[1]
+    assert stage_weight_elements(checkpoint_numels(tmp_path), stages) == [
+        sum(p.numel() for p in m.parameters()) for m in models]
+
+
 # --- over Ray rank actors ------------------------------------------------------------------------------
 
 def test_opt_pp2_matches_hf_and_pp1(built, ray_cluster):
