@@ -162,17 +162,20 @@ def small_nodes(models):
     cluster.shutdown()
 
 
-def one_process_tokens(path, prompts):
+@pytest.fixture(scope="module")
+def one_process(models):
+    """The llama's prompts and their greedy tokens from one process (no Ray)."""
+    path = models["llama"]
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(path)]
     with LLM(model=path, kv_cache_memory_bytes=64 * MIB) as llm1:
-        return [o.outputs[0].token_ids for o in llm1.generate(prompts, PARAMS)]
+        return prompts, [o.outputs[0].token_ids for o in llm1.generate(prompts, PARAMS)]
 
 
-def test_pp2_takes_a_node_per_stage_where_one_node_holds_one_rank(small_nodes, models):
+def test_pp2_takes_a_node_per_stage_where_one_node_holds_one_rank(small_nodes, models, one_process):
     """PACK puts bundles on as few nodes as fit: by CPUs one node would take both ranks, by memory only
     one. The tokens equal one process's; each rank's peak resident memory is within its reservation."""
     path = models["llama"]
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(path)]
-    expected = one_process_tokens(path, prompts)
+    prompts, expected = one_process
     with LLM(model=path, pipeline_parallel_size=2, placement_strategy="PACK", kv_cache_memory_bytes=PP2_KV) as llm:
         nodes = llm.stats()["worker_nodes"]
         assert len(set(nodes)) == 2, nodes
@@ -184,12 +187,11 @@ def test_pp2_takes_a_node_per_stage_where_one_node_holds_one_rank(small_nodes, m
             assert peak <= need.total, (pid, peak, need)
 
 
-def test_pp2_x_tp2_puts_each_stage_on_a_node_of_its_own(small_nodes, models):
+def test_pp2_x_tp2_puts_each_stage_on_a_node_of_its_own(small_nodes, models, one_process):
     """Four ranks, two per node by memory: each stage's two ranks share a node (its all-reduces stay
     there) and the activations cross between the nodes; the tokens of one process."""
     path = models["llama"]
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(path)]
-    expected = one_process_tokens(path, prompts)
+    prompts, expected = one_process
     with LLM(model=path, pipeline_parallel_size=2, tensor_parallel_size=2, placement_strategy="PACK",
              kv_cache_memory_bytes=PP2X2_KV) as llm:
         nodes = llm.stats()["worker_nodes"]  # rank order: stage 0's two ranks, then stage 1's
