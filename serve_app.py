@@ -48,7 +48,7 @@ from cluster.app_args import ENGINE_KWARGS, AppArgs, _with_options, api_key_from
 from cluster.engine_gate import EngineGate, EngineWatch
 from cluster.ingress_client import ServeEngineClient, new_engine_id  # noqa: F401 - the Ingress's engine client
 from cluster.llm_server import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S, ROUTING_STATS_PERIOD_S, LLMServer
-from cluster.memory_plan import bundle_memory, memory_refusal
+from cluster.memory_plan import bundle_memory, memory_refusal, replicas_refusal
 from cluster.reservations import cluster_cpus, cluster_memory, plan_reservations
 from cluster.serve_env import SERVE_ENV, effective_serve_env  # noqa: F401 - SERVE_ENV: what serve_env() sets
 from engine import SamplingParams, engine_config
@@ -237,7 +237,8 @@ def build_app(args: AppArgs | dict | None = None):
     nodes_known = not (use_gpu and gpus_now == 0)
     # each rank's bundle reserves the host memory it holds, so that Ray puts a stage only on a node that
     # can hold it; a rank no node can hold is refused here, with what it needs
-    refusal = memory_refusal(config, use_gpu, cluster_memory() if nodes_known else None)
+    memory = cluster_memory() if nodes_known else None
+    refusal = memory_refusal(config, use_gpu, memory) or replicas_refusal(config, use_gpu, memory, args.replica_range[1])
     if refusal is not None:
         raise ValueError(refusal)
     plan = plan_reservations(args, use_gpu, cluster_cpus() if nodes_known else None,

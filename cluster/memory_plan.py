@@ -162,3 +162,15 @@ def memory_refusal(config: EngineConfig, use_gpu: bool, node_memory: list[float]
     return (f"{who} needs {needs[worst].describe()} of memory but the largest Ray node has "
             f"{largest / GIB:.2f} GiB: raise pipeline_parallel_size or tensor_parallel_size, lower "
             f"kv_cache_memory_bytes, or add larger nodes")
+
+
+def replicas_refusal(config: EngineConfig, use_gpu: bool, node_memory: list[float] | None, replicas: int) -> str | None:
+    """Why ``replicas`` engines (a Serve deployment's most) cannot all hold their ranks in the cluster's
+    memory (a sentence), or None when they can or the cluster is unknown."""
+    if not node_memory:
+        return None
+    need = bundle_memory(config, use_gpu) * config.parallel.world_size * replicas
+    if need <= sum(node_memory):
+        return None
+    return (f"{replicas} replicas need {need / GIB:.2f} GiB of memory for their engines but the Ray cluster has "
+            f"{sum(node_memory) / GIB:.2f} GiB: lower num_replicas / max_replicas or kv_cache_memory_bytes, or add nodes")

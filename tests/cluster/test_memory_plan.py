@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cluster.memory_plan import (GIB, RANK_RUNTIME_BYTES, RankMemory, bundle_memory, checkpoint_numels,
-                                 kv_bytes_per_block, memory_refusal, rank_memory, stage_weight_elements)
+                                 kv_bytes_per_block, memory_refusal, rank_memory, replicas_refusal,
+                                 stage_weight_elements)
 from cluster.placement import PlacementError, _fits, _packs
 from engine import LLM, SamplingParams, engine_config
 from engine.config import CPU_DEFAULT_KV_BYTES, CPU_DEFAULT_MAX_BLOCKS
@@ -107,6 +108,12 @@ def test_a_rank_no_node_can_hold_is_refused_with_what_it_needs(models):
         f"tensor_parallel_size, lower kv_cache_memory_bytes, or add larger nodes")
     whole = engine_config(models["llama"], kv_cache_memory_bytes=GIB)
     assert memory_refusal(whole, False, [GIB]).startswith("the engine needs ")
+    # a deployment's most replicas: every rank of each in the cluster's memory
+    assert replicas_refusal(config, False, [2 * need, 2 * need], 2) is None
+    assert replicas_refusal(config, False, None, 9) is None
+    assert replicas_refusal(config, False, [2 * need, 2 * need], 3) == (
+        f"3 replicas need {6 * need / GIB:.2f} GiB of memory for their engines but the Ray cluster has "
+        f"{4 * need / GIB:.2f} GiB: lower num_replicas / max_replicas or kv_cache_memory_bytes, or add nodes")
 
 
 def test_bundles_are_checked_against_each_node(monkeypatch):
