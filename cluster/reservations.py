@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import ray
 
@@ -74,17 +73,18 @@ def cluster_cpus() -> tuple[float, float] | None:
 
 def cluster_memory() -> list[float] | None:
     """Each live node's ``memory`` resource (bytes) where the application will run, or None when that
-    cannot be known here. Before a local cluster starts: Ray's own default for this machine (its
-    available memory less the object store's default 30% of the total)."""
+    cannot be known here. Before a local cluster starts: Ray's own default for this machine, as Ray
+    computes it (the memory available, cgroup limits included, less the object store's default share
+    of it)."""
     try:
         if ray.is_initialized():
             return [n["Resources"].get("memory", 0.0) for n in ray.nodes() if n.get("Alive")] or None
         from ray._private.services import canonicalize_bootstrap_address
+        from ray._private.utils import estimate_available_memory, resolve_object_store_memory
 
         if canonicalize_bootstrap_address(None) is None:
-            meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-            total, available = (int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
-            return [max(0.0, available - 0.3 * total)]
+            available = estimate_available_memory()
+            return [float(max(0, available - resolve_object_store_memory(available)))]
     except Exception:  # noqa: BLE001 - an unknown cluster: nothing is checked
         pass
     return None

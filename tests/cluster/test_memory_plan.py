@@ -140,6 +140,28 @@ def test_bundles_are_checked_against_each_node(monkeypatch):
     assert _fits([rank, rank], "PACK") == "memory: need 6.00 GiB, cluster has 1.00 GiB"
 
 
+def test_a_local_cluster_to_be_started_is_given_the_memory_ray_will_give_it(monkeypatch):
+    """Before `serve run` starts its local Ray, the app is checked against the ``memory`` resource Ray will
+    give this machine: its available memory (as Ray estimates it, cgroup limits included) less the object
+    store's share of that, never a share of the total (which left nothing on a machine with less than 30%
+    of its memory free, and every app refused)."""
+    import ray
+    import ray._private.services as services
+    import ray._private.utils as ray_utils
+    from ray._private.resource_and_label_spec import ResourceAndLabelSpec
+
+    from cluster.reservations import cluster_memory
+
+    if ray.is_initialized():
+        pytest.skip("needs no Ray in this process")
+    monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda address: None)  # no cluster to join
+    for available in (2 * GIB, 8 * GIB):  # 2 GiB: far below 30% of this machine's total
+        monkeypatch.setattr(ray_utils, "estimate_available_memory", lambda: available)
+        spec = ResourceAndLabelSpec()
+        spec._resolve_memory_resources()  # what a local Ray started now would give its node
+        assert cluster_memory() == [pytest.approx(spec.memory)] and spec.memory > 0.5 * available
+
+
 PP2_KV = 256 * MIB  # the PP 2 engine's pool per rank; the PP 2 x TP 2 one's is PP2X2_KV
 PP2X2_KV = 16 * MIB
 
