@@ -242,7 +242,7 @@ def build_app(args: AppArgs | dict | None = None):
     if refusal is not None:
         raise ValueError(refusal)
     plan = plan_reservations(args, use_gpu, cluster_cpus() if nodes_known else None,
-                             rank_memory=bundle_memory(config, use_gpu))
+                             rank_memory=bundle_memory(config, use_gpu, memory))
     # a repo id is served under its own name (as the hub spells it); a directory under its last component
     served_name = args.served_model_name or config.model.source or Path(config.model.path).name
     options: dict = {

@@ -70,7 +70,7 @@ def _hf(spec: dict, instances) -> tuple[float, list[dict], dict]:
 def _overhead(spec: dict, instances) -> tuple[float, list[dict], dict]:
     from benchmarks.offline import measure_step_overhead
 
-    engine = {k: v for k, v in spec["engine"].items() if k in ("block_size", "kv_cache_memory_bytes")}
+    engine = {k: v for k, v in spec["engine"].items() if k in ("block_size", "kv_cache_memory_bytes", "kv_cache_dtype")}
     start = time.perf_counter()
     overhead = measure_step_overhead(spec["model"], num_seqs=spec["options"]["num_seqs"], **engine)
     return time.perf_counter() - start, [], {"overhead": overhead}

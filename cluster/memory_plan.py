@@ -115,8 +115,17 @@ def kv_bytes_per_block(config: EngineConfig, num_layers: int, elem: int) -> int:
     return 2 * num_layers * config.cache.block_size * per_rank * row
 
 
-def rank_memory(config: EngineConfig, use_gpu: bool) -> list[RankMemory]:
-    """Every rank's need, in global rank order (stage * tp + tensor-parallel index)."""
+def default_kv_bytes(block: int, node_memory: list[float] | None) -> int:
+    """The pool a CPU rank reserves when no size is given: the CPU default (2 GiB, at most 32768 blocks),
+    and no more than a quarter of the largest node's memory where the nodes are known (the rank itself
+    takes no more than a quarter of the memory free at its start), so that a small node still holds it."""
+    kv = min(CPU_DEFAULT_KV_BYTES, CPU_DEFAULT_MAX_BLOCKS * block)
+    return min(kv, int(max(node_memory) // 4)) if node_memory else kv
+
+
+def rank_memory(config: EngineConfig, use_gpu: bool, node_memory: list[float] | None = None) -> list[RankMemory]:
+    """Every rank's need, in global rank order (stage * tp + tensor-parallel index); ``node_memory``:
+    the live nodes' memory, where known (it bounds the default pool)."""
     parallel, cache = config.parallel, config.cache
     tp = parallel.tensor_parallel_size
     num_layers = int(config.model.hf_config.get("num_hidden_layers") or config.model.hf_config.get("n_layer") or 1)
@@ -131,7 +140,7 @@ def rank_memory(config: EngineConfig, use_gpu: bool) -> list[RankMemory]:
         elif cache.num_kv_blocks is not None:
             kv = cache.num_kv_blocks * block
         else:
-            kv = min(CPU_DEFAULT_KV_BYTES, CPU_DEFAULT_MAX_BLOCKS * block)
+            kv = default_kv_bytes(block, node_memory)
         largest = max(b - a for a, b in stages)
         host = cache.host_kv_blocks_for(kv_bytes_per_block(config, largest, elem)) * block
         if use_gpu:
@@ -141,27 +150,37 @@ def rank_memory(config: EngineConfig, use_gpu: bool) -> list[RankMemory]:
     return needs
 
 
-def bundle_memory(config: EngineConfig, use_gpu: bool) -> int:
+def bundle_memory(config: EngineConfig, use_gpu: bool, node_memory: list[float] | None = None) -> int:
     """The ``memory`` each rank bundle reserves: the largest rank's need (the bundles are alike, so any
     rank can take any of them)."""
-    return max(need.total for need in rank_memory(config, use_gpu))
+    return max(need.total for need in rank_memory(config, use_gpu, node_memory))
 
 
-def memory_refusal(config: EngineConfig, use_gpu: bool, node_memory: list[float]) -> str | None:
-    """Why no node can hold a rank of this engine (a sentence naming the rank's need, the largest node
-    and what to change), or None when the largest node can."""
+LOWER = "lower kv_cache_memory_bytes"
+
+
+def memory_refusal(config: EngineConfig, use_gpu: bool, node_memory: list[float] | None) -> str | None:
+    """Why the nodes cannot hold this engine's ranks (a sentence naming the need, the largest node and
+    what to change), or None when they can: a rank beyond the largest node, or, with STRICT_PACK, the
+    whole group beyond it."""
     if not node_memory:
         return None
-    needs = rank_memory(config, use_gpu)
+    needs = rank_memory(config, use_gpu, node_memory)
     worst = max(range(len(needs)), key=lambda r: needs[r].total)
     largest = max(node_memory)
-    if needs[worst].total <= largest:
-        return None
     tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
-    who = "the engine" if len(needs) == 1 else f"rank {worst} (stage {worst // tp} of {pp})"
-    return (f"{who} needs {needs[worst].describe()} of memory but the largest Ray node has "
-            f"{largest / GIB:.2f} GiB: raise pipeline_parallel_size or tensor_parallel_size, lower "
-            f"kv_cache_memory_bytes, or add larger nodes")
+    if needs[worst].total > largest:
+        who = "the engine" if len(needs) == 1 else f"rank {worst} (stage {worst // tp} of {pp})" if pp > 1 \
+            else f"rank {worst} of {tp}"
+        return (f"{who} needs {needs[worst].describe()} of memory but the largest Ray node has "
+                f"{largest / GIB:.2f} GiB: raise pipeline_parallel_size or tensor_parallel_size, {LOWER}, "
+                f"or add larger nodes")
+    group = needs[worst].total * len(needs)
+    if config.parallel.placement_strategy == "STRICT_PACK" and group > largest:
+        return (f"placement_strategy STRICT_PACK puts the {len(needs)} ranks on one node, which needs "
+                f"{group / GIB:.2f} GiB of memory, but the largest Ray node has {largest / GIB:.2f} GiB: use "
+                f"placement_strategy PACK or SPREAD, {LOWER}, or add larger nodes")
+    return None
 
 
 def replicas_refusal(config: EngineConfig, use_gpu: bool, node_memory: list[float] | None, replicas: int) -> str | None:
@@ -169,8 +188,10 @@ def replicas_refusal(config: EngineConfig, use_gpu: bool, node_memory: list[floa
     memory (a sentence), or None when they can or the cluster is unknown."""
     if not node_memory:
         return None
-    need = bundle_memory(config, use_gpu) * config.parallel.world_size * replicas
+    need = bundle_memory(config, use_gpu, node_memory) * config.parallel.world_size * replicas
     if need <= sum(node_memory):
         return None
-    return (f"{replicas} replicas need {need / GIB:.2f} GiB of memory for their engines but the Ray cluster has "
-            f"{sum(node_memory) / GIB:.2f} GiB: lower num_replicas / max_replicas or kv_cache_memory_bytes, or add nodes")
+    fewer = "lower num_replicas / max_replicas, " if replicas > 1 else ""
+    engines = f"{replicas} replicas need" if replicas > 1 else "the replica needs"
+    return (f"{engines} {need / GIB:.2f} GiB of memory for {'their engines' if replicas > 1 else 'its engine'} but "
+            f"the Ray cluster has {sum(node_memory) / GIB:.2f} GiB: {fewer}{LOWER}, or add nodes")

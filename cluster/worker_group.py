@@ -114,13 +114,13 @@ class WorkerGroup:
         self.step_timeout_s = step_timeout_s
         self.owns_placement_group = placement_group is None
         if placement_group is None:
-            refusal = memory_refusal(self.config, self.use_gpu,
-                                     [n["Resources"].get("memory", 0.0) for n in ray.nodes() if n.get("Alive")])
+            memory = [n["Resources"].get("memory", 0.0) for n in ray.nodes() if n.get("Alive")]
+            refusal = memory_refusal(self.config, self.use_gpu, memory)
             if refusal is not None:
                 raise PlacementError(refusal)
             placement_group = create_placement_group(
                 self.num_ranks, self.use_gpu, config.parallel.placement_strategy, placement_timeout_s,
-                memory_per_rank=bundle_memory(self.config, self.use_gpu))
+                memory_per_rank=bundle_memory(self.config, self.use_gpu, memory))
         elif not ray.wait([placement_group.ready()], timeout=placement_timeout_s)[0]:
             raise PlacementError(f"the placement group for {self.num_ranks} ranks is not ready after "
                                  f"{placement_timeout_s:g}s")

@@ -138,8 +138,9 @@ class ModelConfig:
         )
 
 
-# a CPU rank's KV pool when no size is given: this many bytes (or a quarter of the memory free at start,
-# if less), at most this many blocks; what each rank reserves from Ray's ``memory`` (cluster.memory_plan)
+# a CPU rank's KV pool when no size is given: this many bytes or a quarter of the memory free at its start,
+# whichever is less, and at most this many blocks (a pool beyond it only grows the prefix cache, at Python
+# cost); what each rank reserves from Ray's ``memory`` (cluster.memory_plan.default_kv_bytes)
 CPU_DEFAULT_KV_BYTES = 2 << 30
 CPU_DEFAULT_MAX_BLOCKS = 32768
 

@@ -20,9 +20,6 @@ from workers.kv_pool import HostKVTier
 from workers.model_runner import ModelRunner
 from workers.parallel_state import PipelineStage, TPGroup
 
-# With no explicit KV size on CPU: this much memory at most, a quarter of what is free at least,
-# and no more blocks than this (a pool beyond it only grows the prefix cache, at Python cost).
-
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":

@@ -97,7 +97,8 @@ def test_a_ranks_pool_and_host_tier_as_the_settings_give_them(models):
 
 
 def test_a_rank_no_node_can_hold_is_refused_with_what_it_needs(models):
-    config = engine_config(models["llama"], pipeline_parallel_size=2, kv_cache_memory_bytes=GIB)
+    config = engine_config(models["llama"], pipeline_parallel_size=2, kv_cache_memory_bytes=GIB,
+                           placement_strategy="PACK")
     need = bundle_memory(config, use_gpu=False)
     assert memory_refusal(config, False, [need, need]) is None
     assert memory_refusal(config, False, None) is None  # an unknown cluster: nothing is checked
@@ -106,14 +107,41 @@ def test_a_rank_no_node_can_hold_is_refused_with_what_it_needs(models):
         f"rank 0 (stage 0 of 2) needs {rank0.total / GIB:.2f} GiB (weights {rank0.weights / GIB:.2f}, KV pool 1.00, "
         f"runtime 0.75) of memory but the largest Ray node has 1.50 GiB: raise pipeline_parallel_size or "
         f"tensor_parallel_size, lower kv_cache_memory_bytes, or add larger nodes")
+    tp2 = engine_config(models["llama"], tensor_parallel_size=2, kv_cache_memory_bytes=GIB, placement_strategy="PACK")
+    assert memory_refusal(tp2, False, [GIB]).startswith("rank 0 of 2 needs ")
     whole = engine_config(models["llama"], kv_cache_memory_bytes=GIB)
     assert memory_refusal(whole, False, [GIB]).startswith("the engine needs ")
+    # STRICT_PACK (the default) puts the whole group on one node: each rank fitting a node is not enough
+    packed = engine_config(models["llama"], pipeline_parallel_size=2, kv_cache_memory_bytes=GIB)
+    assert memory_refusal(packed, False, [2 * need]) is None
+    assert memory_refusal(packed, False, [1.5 * need, 1.5 * need]) == (
+        f"placement_strategy STRICT_PACK puts the 2 ranks on one node, which needs {2 * need / GIB:.2f} GiB of "
+        f"memory, but the largest Ray node has {1.5 * need / GIB:.2f} GiB: use placement_strategy PACK or SPREAD, "
+        f"lower kv_cache_memory_bytes, or add larger nodes")
     # a deployment's most replicas: every rank of each in the cluster's memory
     assert replicas_refusal(config, False, [2 * need, 2 * need], 2) is None
     assert replicas_refusal(config, False, None, 9) is None
     assert replicas_refusal(config, False, [2 * need, 2 * need], 3) == (
         f"3 replicas need {6 * need / GIB:.2f} GiB of memory for their engines but the Ray cluster has "
-        f"{4 * need / GIB:.2f} GiB: lower num_replicas / max_replicas or kv_cache_memory_bytes, or add nodes")
+        f"{4 * need / GIB:.2f} GiB: lower num_replicas / max_replicas, lower kv_cache_memory_bytes, or add nodes")
+    assert replicas_refusal(config, False, [need], 1) == (
+        f"the replica needs {2 * need / GIB:.2f} GiB of memory for its engine but the Ray cluster has "
+        f"{need / GIB:.2f} GiB: lower kv_cache_memory_bytes, or add nodes")
+
+
+def test_the_default_pool_takes_at_most_a_quarter_of_the_largest_node(models):
+    """As a rank takes at most a quarter of the memory free at its start: a small node still holds a rank
+    whose pool size nobody gave (an 8 GiB machine's Ray memory is about 4 GiB)."""
+    config = engine_config(models["qwen3"])
+    block = kv_bytes_per_block(config, 3, 4)
+    assert rank_memory(config, False, [64 * GIB])[0].kv == min(CPU_DEFAULT_KV_BYTES, CPU_DEFAULT_MAX_BLOCKS * block)
+    assert CPU_DEFAULT_MAX_BLOCKS * block > GIB // 2  # (the block cap is not what binds below)
+    assert rank_memory(config, False, [GIB, 2 * GIB])[0].kv == GIB // 2
+    assert rank_memory(config, False, [GIB])[0].kv == GIB // 4
+    tp2 = engine_config(models["qwen3"], tensor_parallel_size=2)
+    assert memory_refusal(tp2, False, [4.2 * GIB]) is None  # two ranks of 1.05 + 0.75 GiB and their weights
+    # a size that was given is reserved whatever the nodes
+    assert rank_memory(engine_config(models["qwen3"], kv_cache_memory_bytes=3 * GIB), False, [GIB])[0].kv == 3 * GIB
 
 
 def test_bundles_are_checked_against_each_node(monkeypatch):
@@ -235,5 +263,5 @@ def test_ranks_no_node_can_hold_are_refused_before_start(small_nodes, models):
     # two ranks on one node (STRICT_PACK) need more than one node has, though each fits
     assert rank_need(path, tensor_parallel_size=2, kv_cache_memory_bytes=PP2_KV) < small_nodes < 2 * rank_need(
         path, tensor_parallel_size=2, kv_cache_memory_bytes=PP2_KV)
-    with pytest.raises(PlacementError, match=r"STRICT_PACK needs one node with CPU 2, memory .* the largest has CPU 4"):
+    with pytest.raises(PlacementError, match=r"^placement_strategy STRICT_PACK puts the 2 ranks on one node, which needs "):
         LLM(model=path, tensor_parallel_size=2, kv_cache_memory_bytes=PP2_KV)
