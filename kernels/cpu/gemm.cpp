@@ -1,18 +1,27 @@
 // Packed float32 matrix products (see gemm.h for the layout and why every element is one chain).
 //
-// Loop order: a's rows are first copied, depth-interleaved (pack_rows), by all threads. Then the work
-// is (row block of at most kRowBlock rows, panel) pairs, row block major, shared out in contiguous ranges
+// Loop order: the work is (row block, panel) pairs, row block major, shared out in contiguous ranges
 // (few rows: one row block, the panels split; many rows: whole row blocks per thread, each reading
-// every panel). A thread runs its pairs kColBlock panels at a time: every depth pass of kDepth over
-// those panels, each panel's kDepth x kPanel block (in L1) against every row tile of the block, so
-// that the block's accumulators (kRowBlock x 128 floats) stay in L2 between the passes instead of
-// going to memory (a row block across all the panels is megabytes). Measured on a Zen 4 core (118
-// GFLOP/s FMA peak) with 896 x 4864, 4864 x 896 and 2048 x 5632 weights at 512 and 2048 rows, one
-// thread, CPU time: 64-97 GFLOP/s before the column blocks, 88-106 with them. On a Sapphire Rapids
-// core (FMA peak about 230 GFLOP/s, `python -m benchmarks.gemm_peak`) the same products ran at 54-72%
-// of the peak; fetching the next panel block into L2 ahead of use, unrolling the depth loop by 4 and
-// passes of 192 instead of 256 inputs brought them to 64-83%. Written for the vector width of vec.h;
-// the accumulator loops are unrolled by pragma so that they live in registers.
+// every panel). A thread copies each row block it meets once, depth-interleaved (pack_tile: 16 x 16
+// transposes on AVX-512, 8 x 8 on AVX2), then runs its pairs a chunk of panels at a time: for each
+// depth pass (at most kDepth inputs, the passes of equal size), each panel's pass block (in L1)
+// against every row tile of the block, the partial sums waiting in a contiguous, 64-byte-aligned
+// buffer in L2 between passes (c itself, rows megabytes apart, is written once, by the last pass).
+// A chunk is a column block (512 columns where the L2 holds 2 MiB) where the row block's copy is
+// larger than half the L2, so that a pass of the copy serves every panel of the chunk from L2; else
+// one panel, the whole copy staying in L2. The next panel block is fetched into L2 one line per
+// input of the kernel's loop. A single row tile (decoding) runs all of k in one pass.
+//
+// Measured on a Zen 4 core (118 GFLOP/s FMA peak) before this blocking: 896 x 4864, 4864 x 896 and
+// 2048 x 5632 weights at 512 and 2048 rows, one thread, CPU time, 88-106 GFLOP/s. On a Sapphire
+// Rapids core (FMA peak 215-236 GFLOP/s as the VM's load varies, `python -m benchmarks.gemm_peak`)
+// the blocking before (a's rows all copied first, scalar; 240-row blocks of 128 columns, the partial
+// sums in c; passes of 192; the next panel block fetched in a burst before each tile) ran the
+// benchmark's products at 256-2048 rows at 65-77% of the peak (one thread, CPU clock, median 71%),
+// this one at 65-80% (median 74%) in the same alternating runs; 16 and 64 rows 44-50% and 62-69%
+// before, 59-66% and 74-77% now.
+// Written for the vector width of vec.h; the accumulator loops are unrolled by pragma so that they
+// live in registers.
 
 #include "gemm.h"
 
@@ -22,12 +31,16 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <ctime>
 #include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <unistd.h>
 #endif
 
 namespace kvserve {
@@ -45,16 +58,19 @@ inline vf broadcast(const float* p) {
 }
 
 // c[R rows, kPanel] (rows ldc apart) = init + ap . bp over kc inputs: ap holds kTileRows values per
-// input (the tile's rows, padded), bp kPanel. init: c itself (accumulate), else bias, else 0.
+// input (the tile's rows; only the first R are read), bp kPanel. init: the partial sums at cin (rows
+// kPanel apart: the chunk's buffer) when accumulating, else the bias, else 0. Input i also fetches
+// the line at pf + (i * pf_step >> 16) into L2: the caller's share of the next panel block, spread
+// evenly over the tile.
 template <int R>
-void tile(const float* __restrict ap, const float* __restrict bp, int64_t kc, float* c, int64_t ldc,
-          const float* bias, bool accumulate) {
+void tile(const float* __restrict ap, const float* __restrict bp, int64_t kc, const float* cin, float* c,
+          int64_t ldc, const float* bias, bool accumulate, const char* pf, int64_t pf_step) {
   vf c0[R], c1[R];
   if (accumulate) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      c0[r] = vload(c + r * ldc);
-      c1[r] = vload(c + r * ldc + W);
+      c0[r] = vload(cin + r * kPanel);
+      c1[r] = vload(cin + r * kPanel + W);
     }
   } else {
     const vf b0 = bias ? vload(bias) : vf{}, b1 = bias ? vload(bias + W) : vf{};
@@ -69,6 +85,7 @@ void tile(const float* __restrict ap, const float* __restrict bp, int64_t kc, fl
   // unrolled 85%)
 #pragma GCC unroll 4
   for (int64_t i = 0; i < kc; ++i) {
+    __builtin_prefetch(pf + ((i * pf_step) >> 16), 0, 2);  // into L2 (prefetcht1 on x86)
     const vf b0 = vload(bp + i * kPanel), b1 = vload(bp + i * kPanel + W);
     const float* ai = ap + i * kTileRows;
 #pragma GCC unroll 16
@@ -85,7 +102,8 @@ void tile(const float* __restrict ap, const float* __restrict bp, int64_t kc, fl
   }
 }
 
-using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, const float*, bool);
+using TileFn = void (*)(const float*, const float*, int64_t, const float*, float*, int64_t, const float*, bool,
+                        const char*, int64_t);
 
 template <int... R>
 constexpr auto make_tiles(std::integer_sequence<int, R...>) {
@@ -94,31 +112,114 @@ constexpr auto make_tiles(std::integer_sequence<int, R...>) {
 // kTiles[r - 1]: the tile of r rows
 constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kTileRows>{});
 
-int64_t padded_rows(int64_t m) { return (m + kTileRows - 1) / kTileRows * kTileRows; }
-
-// The depth-interleaved copy of a's row tile rt (rows rt * kTileRows ..), for every depth pass: pass
-// [k0, k0 + kc) of tile rt starts at k0 * padded_rows(m) + rt * kTileRows * kc, value (i, r) at
-// i * kTileRows + r. Rows past m are zeros.
-void pack_rows(const float* a, int64_t lda, int64_t m, int64_t k, int64_t rt, float* dst) {
-  const int64_t mp = padded_rows(m), r0 = rt * kTileRows;
-  const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
-  for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-    const int64_t kc = std::min(kDepth, k - k0);
-    float* out = dst + k0 * mp + r0 * kc;
-    for (int r = 0; r < rows; ++r) {
-      const float* src = a + (r0 + r) * lda + k0;
-      for (int64_t i = 0; i < kc; ++i) out[i * kTileRows + r] = src[i];
+#if defined(__AVX512F__)
+// r[j] <- lane j of r[0], ..., r[15] (a 16 x 16 transpose)
+inline void transpose(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(u[8 * i + j], u[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(u[8 * i + j], u[8 * i + 4 + j], 0xDD);
     }
-    for (int r = rows; r < kTileRows; ++r)
-      for (int64_t i = 0; i < kc; ++i) out[i * kTileRows + r] = 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
   }
 }
+using vreg = __m512;
+inline vreg load_row(const float* p) { return _mm512_loadu_ps(p); }
+inline void store_row(float* p, vreg v) { _mm512_storeu_ps(p, v); }
+inline vreg zero_row() { return _mm512_setzero_ps(); }
+#define KVSERVE_PACK_TRANSPOSE 1
+#elif defined(__AVX__)
+// r[j] <- lane j of r[0], ..., r[7] (an 8 x 8 transpose)
+inline void transpose(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+using vreg = __m256;
+inline vreg load_row(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_row(float* p, vreg v) { _mm256_storeu_ps(p, v); }
+inline vreg zero_row() { return _mm256_setzero_ps(); }
+#define KVSERVE_PACK_TRANSPOSE 1
+#endif
 
-// The row blocks: the row tiles split as evenly as they go into as few blocks of at most kRowBlock
-// rows as hold them (so that a thread's share of the work items is its share of the FLOPs: 43 tiles
-// are blocks of 15, 14 and 14, not 20, 20 and 3).
+// Inputs [0, kc) of a's rows [0, rows) (lda apart), depth-interleaved: dst[i * kTileRows + r]; the
+// rows past `rows` are not written (a tile of fewer rows reads only its own). A full tile goes W
+// inputs at a time through a W x W transpose (its rows, then zeros), each input's W lanes stored at
+// once: the kTileRows that belong to it, then W - kTileRows that the next input's store overwrites,
+// so the last input writes up to W - kTileRows floats past dst + kc * kTileRows (the caller's slack).
+void pack_tile(const float* a, int64_t lda, int rows, int64_t kc, float* dst) {
+  int64_t i = 0;
+#ifdef KVSERVE_PACK_TRANSPOSE
+  if (rows == kTileRows) {
+    for (; i + W <= kc; i += W) {
+      vreg r[W];
+      for (int q = 0; q < kTileRows; ++q) r[q] = load_row(a + q * lda + i);
+      for (int q = kTileRows; q < W; ++q) r[q] = zero_row();
+      transpose(r);
+      for (int j = 0; j < W; ++j) store_row(dst + (i + j) * kTileRows, r[j]);
+    }
+  }
+#endif
+  for (; i < kc; ++i)
+    for (int r = 0; r < rows; ++r) dst[i * kTileRows + r] = a[r * lda + i];
+}
+
+// The blocking, from the size of this core's L2: rows per row block, panels per column block, and
+// the most bytes of a row block's copy of a (all of its inputs) for which a panel at a time is run
+// (the copy stays in L2 while every panel meets it). Where a column block's partial sums (rows x
+// panels x kPanel floats) and a pass of the copy (rows x kDepth) are to stay in L2 beside each other:
+// 360 rows x 512 columns (1.1 MiB in all) where it holds 2 MiB (Sapphire Rapids), 240 x 256 (480 KiB)
+// at 1 MiB (Zen 4), 120 x 256 below.
+struct Blocking {
+  int64_t rows, panels, resident_copy;
+};
+
+Blocking blocking() {
+  static const Blocking b = [] {
+    long l2 = 0;
+#if defined(__linux__) && defined(_SC_LEVEL2_CACHE_SIZE)
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    if (l2 <= 0) l2 = 1 << 20;
+    const int64_t rows = l2 >= (3 << 19) ? 360 : l2 >= (1 << 20) ? 240 : 120;
+    const int64_t cols = l2 >= (3 << 19) ? 512 : 256;
+    return Blocking{rows / kTileRows * kTileRows, cols / kPanel, l2 / 2};
+  }();
+  return b;
+}
+
+int64_t padded_rows(int64_t m) { return (m + kTileRows - 1) / kTileRows * kTileRows; }
+
+// The row blocks: the row tiles split as evenly as they go into as few blocks of at most
+// blocking().rows rows as hold them (so that a thread's share of the work items is its share of the
+// FLOPs: 43 tiles are blocks of 15, 14 and 14, not 20, 20 and 3).
 int64_t row_blocks(int64_t m) {
-  const int64_t tiles = padded_rows(m) / kTileRows, per_block = kRowBlock / kTileRows;
+  const int64_t tiles = padded_rows(m) / kTileRows, per_block = blocking().rows / kTileRows;
   return (tiles + per_block - 1) / per_block;
 }
 
@@ -128,37 +229,77 @@ std::pair<int64_t, int64_t> row_block(int64_t m, int64_t blocks, int64_t rb) {
   return {tiles * rb / blocks * kTileRows, tiles * (rb + 1) / blocks * kTileRows};
 }
 
-// Work items w = rb * num_panels + p in [w0, w1): row block rb (row_block) of panel p.
-// Consecutive items of one row block run kColBlock panels at a time, every depth pass over those
-// panels before the next ones: their accumulators (kRowBlock x kColBlock panels) stay in L2 between
-// passes, a panel's kDepth x kPanel block in L1 while the row tiles pass over it.
-void gemm_items(const float* packed_a, int64_t m, int64_t k, const float* panels, int64_t num_panels,
+// c = bias (or 0) where there is nothing to multiply (k = 0).
+void fill_bias(int64_t m, int64_t n, const float* bias, float* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = bias ? bias[j] : 0.0f;
+}
+
+// Work items w = rb * num_panels + p in [w0, w1): row block rb (row_block) of panel p. A thread
+// copies each row block it meets once (pack_tile, all of k, pass by pass), then runs its items a
+// chunk of panels at a time: a column block (blocking().panels) where the copy is larger than half
+// the L2, else one panel. For each depth pass, each panel's pass block (in L1) meets every row tile;
+// the partial sums wait in the chunk's buffer (L2) for the next pass, and the last pass writes c.
+// So a pass of the copy is read from L2 by every panel of the chunk (from memory once per chunk),
+// and a panel's pass block from memory once per row block. A single row tile (decoding) runs all
+// of k in one pass, straight down each panel.
+void gemm_items(const float* a, int64_t lda, int64_t m, int64_t k, const float* panels, int64_t num_panels,
                 const float* bias, float* c, int64_t ldc, int64_t w0, int64_t w1) {
-  const int64_t mp = padded_rows(m), blocks = row_blocks(m);
+  const Blocking blk = blocking();
+  const int64_t blocks = row_blocks(m);
+  // equal passes of at most kDepth inputs (a multiple of 4): 896 inputs are 4 passes of 224, not
+  // three of 256 and one of 128
+  const int64_t passes = padded_rows(m) <= kTileRows ? 1 : (k + kDepth - 1) / kDepth;
+  const int64_t depth = passes == 1 ? k : std::min(kDepth, ((k + passes - 1) / passes + 3) / 4 * 4);
+  // this thread's buffers, 64-byte aligned: a chunk's partial sums, then the row block's copy of a
+  // (W floats of slack for pack_tile)
+  thread_local std::vector<float> scratch;
+  const int64_t sums = blk.rows * blk.panels * kPanel, copy = blk.rows * k + W;
+  if (scratch.size() < static_cast<size_t>(sums + copy + 16)) scratch.resize(sums + copy + 16);
+  float* partial = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  float* copied = partial + sums;
+  int64_t copied_rb = -1;
   for (int64_t w = w0; w < w1;) {
     const int64_t rb = w / num_panels, p0 = w % num_panels;
-    const int64_t p1 = std::min({num_panels, p0 + kColBlock, p0 + (w1 - w)});
     const auto [m0, m1] = row_block(m, blocks, rb);
-    for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-      const int64_t kc = std::min(kDepth, k - k0);
+    const int64_t tiles = (m1 - m0) / kTileRows;
+    const bool resident = (m1 - m0) * k * static_cast<int64_t>(sizeof(float)) <= blk.resident_copy;
+    const int64_t p1 = std::min({num_panels, p0 + (resident ? 1 : blk.panels), p0 + (w1 - w)});
+    const bool pack = copied_rb != rb;
+    copied_rb = rb;
+    for (int64_t k0 = 0; k0 < k; k0 += depth) {
+      const int64_t kc = std::min(depth, k - k0);
+      const bool last = k0 + kc >= k;
+      float* packed_a = copied + k0 * (m1 - m0);  // this pass of the copy: tile t at t * kTileRows * kc
+      if (pack)
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t r0 = m0 + t * kTileRows;
+          pack_tile(a + r0 * lda + k0, lda, static_cast<int>(std::min<int64_t>(kTileRows, m - r0)), kc,
+                    packed_a + t * kTileRows * kc);
+        }
       for (int64_t p = p0; p < p1; ++p) {
         const float* bp = panels + p * k * kPanel + k0 * kPanel;
         const float* bias_p = bias ? bias + p * kPanel : nullptr;
         // the panel block after this one (the next panel at this depth, else the first panel at the
-        // next depth), fetched into L2 a slice per row tile while this one is in use: a block comes
+        // next depth) is fetched into L2 while this one is in use, each row tile its share of the
+        // lines, one per input of the tile (at the rate the tile reads this block): a block comes
         // from memory once per row block, and without this its first tile waited for it (the whole
-        // product 10-15% slower on a Sapphire Rapids core)
+        // product 10-15% slower on a Sapphire Rapids core). Fetched in a burst before each tile
+        // instead, the lines held the products of few row tiles back: 64 rows of 4096 x 4096 ran at
+        // 141 GFLOP/s that way, 169-174 spread over the inputs; 16 rows of 896 x 4864 1.24 ms, 0.85.
         const bool same_depth = p + 1 < p1;
-        const int64_t next_kc = same_depth ? kc : std::max<int64_t>(0, std::min(kDepth, k - k0 - kDepth));
+        const int64_t next_kc = same_depth ? kc : std::max<int64_t>(0, std::min(depth, k - k0 - kc));
         const char* next = reinterpret_cast<const char*>(
-            same_depth ? bp + k * kPanel : next_kc > 0 ? panels + p0 * k * kPanel + (k0 + kDepth) * kPanel : bp);
+            same_depth ? bp + k * kPanel : next_kc > 0 ? panels + p0 * k * kPanel + (k0 + kc) * kPanel : bp);
         const int64_t lines = next_kc * kPanel * static_cast<int64_t>(sizeof(float)) / 64;
-        const int64_t tiles = (m1 - m0) / kTileRows;
-        for (int64_t r0 = m0, t = 0; r0 < m1; r0 += kTileRows, ++t) {
-          for (int64_t line = lines * t / tiles; line < lines * (t + 1) / tiles; ++line)
-            __builtin_prefetch(next + 64 * line, 0, 2);  // into L2 (prefetcht1 on x86)
+        const int64_t pf_step = (lines + tiles - 1) / tiles * 64 * 65536 / kc;  // bytes per input, 16.16
+        for (int64_t t = 0; t < tiles; ++t) {
+          const char* pf = next + 64 * (lines * t / tiles);
+          const int64_t r0 = m0 + t * kTileRows;
           const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
-          kTiles[rows - 1](packed_a + k0 * mp + r0 * kc, bp, kc, c + r0 * ldc + p * kPanel, ldc, bias_p, k0 > 0);
+          float* sum = partial + (t * (p1 - p0) + (p - p0)) * kTileRows * kPanel;
+          kTiles[rows - 1](packed_a + t * kTileRows * kc, bp, kc, sum, last ? c + r0 * ldc + p * kPanel : sum,
+                           last ? ldc : kPanel, bias_p, k0 > 0, pf, pf_step);
         }
       }
     }
@@ -180,21 +321,11 @@ void pack_panels(const float* b, int64_t k, int64_t n, int64_t row_stride, int64
 void gemm_packed(const float* a, int64_t lda, int64_t m, int64_t k, const float* panels, int64_t n,
                  const float* bias, float* c, int64_t ldc, bool parallel) {
   if (m == 0 || n == 0) return;
-  const int64_t tiles = padded_rows(m) / kTileRows, num_panels = n / kPanel;
-  thread_local std::vector<float> scratch;
-  if (scratch.size() < static_cast<size_t>(padded_rows(m) * k)) scratch.resize(padded_rows(m) * k);
-  float* packed_a = scratch.data();
-  const int64_t items = row_blocks(m) * num_panels;
-  if (!parallel) {
-    for (int64_t rt = 0; rt < tiles; ++rt) pack_rows(a, lda, m, k, rt, packed_a);
-    gemm_items(packed_a, m, k, panels, num_panels, bias, c, ldc, 0, items);
-    return;
-  }
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t rt = begin; rt < end; ++rt) pack_rows(a, lda, m, k, rt, packed_a);
-  });
+  if (k == 0) return fill_bias(m, n, bias, c, ldc);
+  const int64_t num_panels = n / kPanel, items = row_blocks(m) * num_panels;
+  if (!parallel) return gemm_items(a, lda, m, k, panels, num_panels, bias, c, ldc, 0, items);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    gemm_items(packed_a, m, k, panels, num_panels, bias, c, ldc, begin, end);
+    gemm_items(a, lda, m, k, panels, num_panels, bias, c, ldc, begin, end);
   });
 }
 
@@ -202,8 +333,10 @@ namespace {
 
 // kFmaChains independent multiply-add chains on vectors of the kernels' width (enough to cover the
 // latency of the FMA units times their number), `iterations` times; returns a value of the chains so
-// that they are not optimised away.
-constexpr int kFmaChains = 16;
+// that they are not optimised away. 12 where there are 16 vector registers: 16 chains and the two
+// operands spilled three chains to the stack on AVX2, which held the loop to 75% of the FMA units'
+// rate (90 against 121 GFLOP/s on a Sapphire Rapids core built for x86-64-v3).
+constexpr int kFmaChains = kVectorRegisters >= 32 ? 16 : 12;
 
 float fma_loop(int64_t iterations) {
   vf acc[kFmaChains];

@@ -6,9 +6,10 @@
 // per row: 6 x 16 on AVX2, 12 x 32 on AVX-512), fed by a copy of a's rows interleaved by depth.
 //
 // Every output element is one multiply-add chain over k = 0 .. K-1 in order, starting from the bias
-// (or 0): blocks of kDepth inputs pass through memory between passes, which leaves the chain as it
-// is, and a tile of fewer rows runs the same chains. So a row's result does not depend on how many
-// rows the product has, where the row sits or how many threads run: the product is batch-invariant.
+// (or 0): blocks of inputs (depth passes) pass through memory between passes, which leaves the chain
+// as it is, and a tile of fewer rows runs the same chains. So a row's result does not depend on how
+// many rows the product has, where the row sits, how many threads run or how the work is blocked
+// (the pass width, the row and column blocks): the product is batch-invariant.
 
 #pragma once
 
@@ -18,12 +19,11 @@
 
 namespace kvserve {
 
-constexpr int kPanel = 2 * W;                 // columns per packed panel
-constexpr int kTileRows = W == 16 ? 12 : 6;   // rows per register tile (2 x kTileRows accumulators)
-constexpr int64_t kDepth = 192;               // inputs per pass: a panel's kDepth x kPanel block (24 KiB) stays in
-                                              // L1 beside a row tile's copy (9 KiB): 256 left too little room
-constexpr int64_t kRowBlock = 20 * kTileRows; // rows per block: their copy of a depth pass stays in L2
-constexpr int64_t kColBlock = 128 / kPanel;   // panels per block: a block's accumulators (kRowBlock x 128) stay in L2
+constexpr int kPanel = 2 * W;                // columns per packed panel
+constexpr int kTileRows = W == 16 ? 12 : 6;  // rows per register tile (2 x kTileRows accumulators)
+constexpr int64_t kDepth = 256;              // most inputs per pass (K is cut into equal passes of at most
+                                             // this): a panel's pass block (32 KiB on AVX-512) stays in L1
+                                             // beside a row tile's copy (12 KiB)
 
 // dst [n / kPanel][k][kPanel] from B, whose element (row i < k, column j < n) is b[j * col_stride +
 // i * row_stride]; n must be a multiple of kPanel. A linear weight [N, K] is B's transpose:
