@@ -124,6 +124,24 @@ def test_rows_do_not_depend_on_the_threads(rows):
             assert torch.equal(OPS.linear(x, packed, bias), want), threads
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_outputs_larger_than_the_caches_are_streamed(threads):
+    """An output of more than four L2s (13.6 MB here) is written past the caches: the same bits as the
+    rows written through them in a smaller product, and as a float64 product."""
+    gen = torch.Generator().manual_seed(5)
+    rows, k, n = 700, 96, 4864
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen) / math.sqrt(k)
+    packed = _packed(weight)
+    bias = torch.randn(n, generator=gen)
+    with _threads(threads):
+        full = OPS.linear(x, packed, bias)
+        few = OPS.linear(x[:100], packed, bias)
+    assert torch.equal(full[:100], few)
+    want = F.linear(x.double(), weight.double(), bias.double())
+    assert (full.double() - want).abs().max().item() < 2e-5 * math.sqrt(k) + 1e-5
+
+
 def test_fma_peak_is_a_rate():
     one = OPS.ops.fma_peak(100_000)
     assert math.isfinite(one) and one > 0.1
