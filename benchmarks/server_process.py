@@ -124,6 +124,23 @@ def pids_naming(text: str) -> list[int]:
     return _pids_whose("cmdline", lambda cmdline: needle in cmdline)
 
 
+def with_descendants(pids: list[int]) -> list[int]:
+    """``pids`` and every process descending from them, now (a process whose parent dies is handed to
+    init, and its ancestry is lost: take the tree before stopping any of it)."""
+    children: dict[int, list[int]] = {}
+    for pid in all_pids():
+        st = stat(pid)
+        if st is not None:
+            children.setdefault(int(st[1]), []).append(pid)
+    found, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.append(pid)
+            todo.extend(children.get(pid, ()))
+    return sorted(found)
+
+
 def server_pids(server: Server) -> dict[int, str]:
     """pid -> start time of every process of the server: the launched process, its descendants, and
     whatever carries the server's tag in its environment (Ray's workers, started by the raylet)."""

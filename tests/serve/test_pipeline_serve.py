@@ -73,4 +73,4 @@ def test_serve_run_at_pp2_across_two_nodes_answers_the_openai_client(model_dirs,
             os.killpg(proc.pid, signal.SIGTERM)  # `serve run` in the background ignores SIGINT
             proc.wait(timeout=60)
         stop_cluster(node_dir)
-        stop_cluster(head_dir)
+        stop_cluster(head_dir, gcs_port=port)

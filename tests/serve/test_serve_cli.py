@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 
-from benchmarks.server_process import pids_naming
+from benchmarks.server_process import pids_naming, stat, with_descendants
 from tests.serve.serve_harness import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +85,8 @@ def test_serve_deploy_onto_a_running_cluster(model_dirs, tmp_path):
     path, base_url = config_for(model_dirs["llama"], tmp_path)
     dashboard = free_port()
     temp_dir = tempfile.mkdtemp(prefix="kvray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    started = subprocess.run([RAY, "start", "--head", "--num-cpus=4", f"--port={free_port()}",
+    gcs_port = free_port()
+    started = subprocess.run([RAY, "start", "--head", "--num-cpus=4", f"--port={gcs_port}",
                               "--include-dashboard=true", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}"],
                              cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stderr[-2000:]
@@ -95,19 +95,30 @@ def test_serve_deploy_onto_a_running_cluster(model_dirs, tmp_path):
                        cwd=ROOT, env=env(), check=True, capture_output=True, timeout=120)
         wait_for(lambda: completes(base_url), timeout_s=180, interval_s=1)
     finally:
-        stop_cluster(temp_dir)
+        stop_cluster(temp_dir, gcs_port=gcs_port)
 
 
-def stop_cluster(temp_dir: str) -> None:
-    """Stop the cluster started with ``temp_dir`` alone: its processes name it on their command lines.
+def stop_cluster(temp_dir: str, gcs_port: int | None = None) -> None:
+    """Stop the cluster started with ``temp_dir`` alone: its processes name it on their command lines,
+    and their children (the dashboard and runtime-env agents, whose titles do not) descend from them;
+    ``gcs_port``: a head's, which its Ray client server names instead (`ray start` leaves it to init).
     (`ray stop` would stop every Ray process on the machine: the other test worker's clusters too.)"""
+    def named() -> list[int]:
+        return pids_naming(temp_dir) + (pids_naming(f":{gcs_port}\0") if gcs_port is not None else [])
+
+    tree = with_descendants(named())
+
+    def alive() -> list[int]:
+        return [pid for pid in set(with_descendants(named()) + tree)
+                if (st := stat(pid)) is not None and st[0] != "Z"]  # (a zombie is gone, its parent not yet told)
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids_naming(temp_dir):
+        for pid in alive():
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass
         deadline = time.monotonic() + 30
-        while pids_naming(temp_dir) and time.monotonic() < deadline:
+        while alive() and time.monotonic() < deadline:
             time.sleep(0.5)
-    assert pids_naming(temp_dir) == []
+    assert alive() == []
