@@ -107,11 +107,13 @@ def test_rows_do_not_depend_on_the_batch_across_row_blocks(threads, k):
 
 
 @pytest.mark.parametrize("rows", [1, 5, TILE, 64, 300])
-def test_rows_do_not_depend_on_the_threads(rows):
-    """Few rows split the work by panels (each thread a range of the column blocks), more by row
-    blocks: at any number of threads every bit is the same, and a row's bits are those it has alone."""
+@pytest.mark.parametrize("n", [512, 1408])
+def test_rows_do_not_depend_on_the_threads(rows, n):
+    """Few rows split the work by panels (each thread a range of the panels), more by row blocks, and
+    a single row block of 16 tiles or more of at most 1024 columns into one row block per thread: at
+    any number of threads every bit is the same, and a row's bits are those it has alone."""
     gen = torch.Generator().manual_seed(rows)
-    k, n = 1000, 1408
+    k = 1000
     x = torch.randn(rows, k, generator=gen)
     packed = _packed(torch.randn(n, k, generator=gen))
     bias = torch.randn(n, generator=gen)
