@@ -2,24 +2,29 @@
 //
 // Loop order: the work is (row block, panel) pairs, row block major, shared out in contiguous ranges
 // (few rows: one row block, the panels split; many rows: whole row blocks per thread, each reading
-// every panel). A thread copies each row block it meets once, depth-interleaved (pack_tile: 16 x 16
-// transposes on AVX-512, 8 x 8 on AVX2), then runs its pairs a chunk of panels at a time: for each
-// depth pass (at most kDepth inputs, the passes of equal size), each panel's pass block (in L1)
-// against every row tile of the block, the partial sums waiting in a contiguous, 64-byte-aligned
-// buffer in L2 between passes (c itself, rows megabytes apart, is written once, by the last pass).
-// A chunk is a column block (512 columns where the L2 holds 2 MiB) where the row block's copy is
-// larger than half the L2, so that a pass of the copy serves every panel of the chunk from L2; else
-// one panel, the whole copy staying in L2. The next panel block is fetched into L2 one line per
-// input of the kernel's loop. A single row tile (decoding) runs all of k in one pass.
+// every panel; a single block of 8+ tiles per thread and at most 1024 columns: a block per thread).
+// A thread copies each row block it meets once, depth-interleaved (pack_tile: 16 x 16 transposes on
+// AVX-512, 8 x 8 on AVX2), then runs its pairs a chunk of panels at a time: for each depth pass (at
+// most kDepth inputs, the passes of equal size), each panel's pass block (in L1) against every row
+// tile of the block, the partial sums waiting in a contiguous, 64-byte-aligned buffer in L2 between
+// passes (c itself, rows up to many KiB apart, is written once, by the last pass; streamed past the
+// caches where it is larger than four L2s). A chunk is a column block (512 columns where the L2 holds
+// 2 MiB) where the row block's copy is larger than half the L2, so that a pass of the copy serves
+// every panel of the chunk from L2; else one panel, the whole copy staying in L2. The next panel
+// block is fetched into L2 one line per input of the kernel's loop. A single row tile (decoding)
+// runs all of k in one pass, straight down each panel.
 //
 // Measured on a Zen 4 core (118 GFLOP/s FMA peak) before this blocking: 896 x 4864, 4864 x 896 and
-// 2048 x 5632 weights at 512 and 2048 rows, one thread, CPU time, 88-106 GFLOP/s. On a Sapphire
-// Rapids core (FMA peak 215-236 GFLOP/s as the VM's load varies, `python -m benchmarks.gemm_peak`)
-// the blocking before (a's rows all copied first, scalar; 240-row blocks of 128 columns, the partial
-// sums in c; passes of 192; the next panel block fetched in a burst before each tile) ran the
-// benchmark's products at 256-2048 rows at 65-77% of the peak (one thread, CPU clock, median 71%),
-// this one at 65-80% (median 74%) in the same alternating runs; 16 and 64 rows 44-50% and 62-69%
-// before, 59-66% and 74-77% now.
+// 2048 x 5632 weights at 512 and 2048 rows, one thread, CPU time, 88-106 GFLOP/s (not measured there
+// since). On a Sapphire Rapids core (the FMA loop at 217-236 GFLOP/s as the VM's load varies;
+// `python -m benchmarks.gemm_peak --rows 1,16,64,256,512,2048 --threads 1,2`, builds alternating) the
+// blocking before (a's rows all copied first, scalar; 240-row blocks of 128 columns, the partial sums
+// in c; passes of 192; the next panel block fetched in a burst before each tile) ran the benchmark's
+// products at 256-2048 rows at 140-176 GFLOP/s (one thread, CPU clock: 61-79% of its runs' peak,
+// median 71%), this one at 159-179 (73-83% of its runs' peak, median 78%); 16 rows 90-115 -> 130-147,
+// 64 rows 130-158 -> 164-169, 1 row 11-17 -> 13-22 (docs/benchmarks.md, "The packed matrix product").
+// From L1 alone the 12 x 32 tile runs at 85-87% of the peak: its 12 broadcasts and 2 loads per 24
+// multiply-adds cost the rest (90-95% without the broadcasts).
 // Written for the vector width of vec.h; the accumulator loops are unrolled by pragma so that they
 // live in registers.
 
