@@ -306,17 +306,19 @@ def stage_lm_head(model: LlamaModel, args: LlamaArgs, tp: TPGroup, dtype: torch.
     return ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype, device, tied_to=tied_to)
 
 
-def outside_stage(causal_lm: nn.Module):
+def outside_stage(causal_lm: nn.Module, body: str = "model"):
     """For ``load_into``: whether a checkpoint tensor belongs to what another pipeline stage holds (not
-    read here); None for a model of one stage."""
-    model = causal_lm.model
+    read here); None for a model of one stage. ``body``: the attribute (and checkpoint prefix) of the
+    layer stack that knows its stage (OPT's is ``decoder``)."""
+    model = getattr(causal_lm, body)
     if model.stage.size == 1:
         return None
+    prefix = f"{body}."
 
     def skip(name: str) -> bool:
         if name.startswith("lm_head."):
             return causal_lm.lm_head is None
-        return name.startswith("model.") and model.outside_stage(name[len("model."):])
+        return name.startswith(prefix) and model.outside_stage(name[len(prefix):])
 
     return skip
 

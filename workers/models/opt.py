@@ -27,7 +27,7 @@ from workers.layers import (
     VocabParallelEmbedding,
     activation,
 )
-from workers.models.llama import MissingLayer
+from workers.models.llama import MissingLayer, outside_stage
 from workers.parallel_state import PipelineStage, TPGroup
 from workers.weight_loader import WeightSlice, load_into
 
@@ -190,17 +190,4 @@ class OPTForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> None:
         ignore = ("lm_head.weight",) if self.tie_word_embeddings else ()
         renamed = ((name.removeprefix("model."), weight) for name, weight in weights)
-        load_into(self, renamed, self.stacked_params, ignore, skip=self._outside_stage())
-
-    def _outside_stage(self):
-        """For ``load_into``: whether a checkpoint tensor is another stage's (None for one stage)."""
-        decoder = self.decoder
-        if decoder.stage.size == 1:
-            return None
-
-        def skip(name: str) -> bool:
-            if name.startswith("lm_head."):
-                return self.lm_head is None
-            return name.startswith("decoder.") and decoder.outside_stage(name[len("decoder."):])
-
-        return skip
+        load_into(self, renamed, self.stacked_params, ignore, skip=outside_stage(self, "decoder"))
