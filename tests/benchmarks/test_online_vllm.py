@@ -97,6 +97,11 @@ def test_client_flags(fake_python):
     command = online_vllm.client_command(args, "/m", "http://127.0.0.1:8000", "/r", "x.json", "no-prefix", 16)
     pairs = dict(zip(command[2::1], command[3::1]))
     assert (pairs["--random-prefix-len"], pairs["--random-input-len"], pairs["--max-concurrency"]) == ("0", "544", "16")
+    # each workload its own prompts, the same for both servers: no workload finds another's in the cache
+    commands = [online_vllm.client_command(args, "/m", "u", "/r", "x.json", d, c) for d, c in online_vllm.workloads(args)]
+    seeds = [dict(zip(c[2:], c[3:]))["--seed"] for c in commands]
+    assert len(set(seeds)) == 4
+    assert pairs["--seed"] == str(online_vllm.workload_seed("no-prefix", 16))
     assert online_vllm.workloads(args) == [("shared-prefix", 16), ("shared-prefix", 48), ("no-prefix", 16),
                                            ("no-prefix", 48)]
 
