@@ -4,12 +4,7 @@ with the step's shared-prefix groups), run the model shard, and (rank 0) sample.
 The attention backend is chosen once, here, from ``attention_backend`` (one log line says which
 runs) and travels with each step's metadata to every layer.
 
-The KV pool follows the configuration's ``KVLayout`` (``engine.kv_layout``): ``page_layers`` tensor
-pairs (``kv_pool``; one per layer for a plain layout), under pipeline parallelism only those the
-stage's layers use (``KVLayout.pool_pairs``: block ids and window tables are the whole model's).
-``kv_caches`` stays one pair per (stage) layer, layer l's being pool pair ``placement(l)[0]`` (a hybrid
-layout's pairs are shared by a full layer and window layers), so the models' forward is the same for
-both; each ``Attention`` module is told its table (``placement(l)[1]``) once, here.
+The model's shard for the rank's stage and its KV pool's per-layer view come from ``workers.stage_model``.
 """
 
 from __future__ import annotations
@@ -30,13 +25,12 @@ from kernels.kv_quant import is_quantized, kv_format
 from workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.input_batch import InputBatch, RequestState
 from workers.kv_pool import KVPoolSpec, allocate_kv_pool
-from workers.layers.attention import Attention
 from workers.layers.kernels import bind_cpu_kernels, bind_layer_ops
-from workers.models.registry import kv_cache_shape, resolve_architecture
+from workers.models.registry import kv_cache_shape
 from workers.parallel_state import PipelineStage, TPGroup
 from workers.prompt_logprobs import ROWS_PER_SLICE, compute_prompt_logprobs, plan_prompt_rows
 from workers.sampler import GrammarMask, Sampler, SamplingRow
-from workers.weight_loader import iter_checkpoint
+from workers.stage_model import bind_window_tables, build_stage_model, stage_layer_caches
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +50,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.cache.block_size
         hf_config = config.model.hf_config
-        model_cls = resolve_architecture(hf_config)
-        if config.parallel.enable_expert_parallel and not getattr(model_cls, "supports_expert_parallel", False):
-            raise ValueError(f"enable_expert_parallel is not supported for {model_cls.__name__}")
-        extra = {"expert_parallel": True} if config.parallel.enable_expert_parallel else {}
-        if self.stage.size > 1:
-            if not getattr(model_cls, "supports_pipeline_parallel", False):
-                raise ValueError(f"pipeline parallelism is not supported for {model_cls.__name__}")
-            extra["stage"] = self.stage
-        self.model = model_cls(hf_config, tp, dtype, device, **extra)
-        if config.model.long_rope_threshold is not None and getattr(self.model, "long_rope", None) is None:
-            raise ValueError(f"{config.model.architecture} cannot serve LongRoPE: it has no long-prompt position "
-                             "offsets, so long prompts would be rotated with the short factors")
-        self.model.load_weights(iter_checkpoint(config.model.path))
-        self.model.eval()
+        self.model = build_stage_model(config, tp, dtype, device, self.stage)
         num_layers, kv_heads, head_dim, replicated = kv_cache_shape(hf_config, tp.size)
         # the whole model's layout (the scheduler's block and window tables), under pipeline parallelism too
         self.layout: KVLayout = config.kv_layout()
@@ -83,7 +64,7 @@ class ModelRunner:
                                   self.kv_format)
         self.kv_pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the pool's tensor pairs
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per stage layer (pairs repeat when hybrid)
-        self._bind_tables()
+        bind_window_tables(self.model, self.layout, self.stage)
         self.attention_backend, why = select_backend(config.attention_backend, device)
         if config.deterministic and (error := deterministic_error(self.attention_backend, dtype)):
             raise ValueError(error)
@@ -112,26 +93,9 @@ class ModelRunner:
 
             prepare_runner(self)
 
-    def _bind_tables(self) -> None:
-        """Tell each Attention module (in layer order: this stage's layers) which table its layer reads."""
-        layout = self.layout
-        if not layout.hybrid:
-            return
-        modules = [m for m in self.model.modules() if isinstance(m, Attention)]
-        layers = range(self.stage.start, self.stage.end)
-        if len(modules) != len(layers):
-            raise ValueError(f"a hybrid KV layout needs one Attention module per layer: {len(modules)} for "
-                             f"{len(layers)} layers")
-        for layer, module in zip(layers, modules):
-            if (module.window > 0) != (layer in layout.window_layers):
-                raise ValueError(f"layer {layer}'s attention window ({module.window}) disagrees with the KV layout")
-            module.table = layout.placement(layer)[1]
-
     def layer_caches(self, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The per-layer view (this stage's layers) of a pool's tensor pairs (``KVLayout.placement``, the
-        pairs numbered as ``pool_pairs`` orders them)."""
-        index = {pair: i for i, pair in enumerate(self.pool_pairs)}
-        return [pool[index[self.layout.placement(layer)[0]]] for layer in range(self.stage.start, self.stage.end)]
+        """The per-layer view (this stage's layers) of a pool's tensor pairs."""
+        return stage_layer_caches(self.layout, self.stage, self.pool_pairs, pool)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_pool = allocate_kv_pool(self.kv_spec, num_blocks, self.device, prefault=True)
