@@ -116,8 +116,8 @@ def workload_key(dataset: str, concurrency: int) -> str:
 
 def workload_seed(dataset: str, concurrency: int) -> int:
     """The client's ``--seed`` for a workload: its own prompts (a shared prefix of its own), the same in
-    every start of either server. With one seed for all, a server's second workload of a dataset found
-    the first's prompts in its prefix cache: the no-prefix set ran as all hits."""
+    every start of either server. With one seed for all, a server's second workload of a dataset (shared
+    prefix or not) found the first's prompts, prefix and suffix, in its prefix cache: all hits."""
     return zlib.crc32(workload_key(dataset, concurrency).encode()) % 2**31
 
 

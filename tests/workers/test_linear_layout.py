@@ -58,13 +58,26 @@ def test_a_weight_the_panels_do_not_divide_keeps_the_blas_layout(monkeypatch: py
         torch.testing.assert_close(module(x), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_bfloat16_weight_keeps_the_blas_layout_under_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed product is float32's: a bfloat16 model's weights (whose output features the panels
+    divide) stay the transposed [in, out] matrix, and the layer's result is F.linear's."""
+    monkeypatch.delenv("KVSERVE_CPU_LINEAR", raising=False)
+    layer = ReplicatedLinear(64, 2 * PANEL, False, torch.bfloat16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    layer.weight.data.copy_(torch.randn(2 * PANEL, 64, generator=gen))
+    x = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), layer.weight.float())
+    bind_cpu_kernels(torch.nn.Sequential(layer), CPU.layer_ops)
+    assert layer.weight.shape == (2 * PANEL, 64) and layer.weight.stride() == (1, 2 * PANEL)
+    assert layer.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(layer(x).float(), want, atol=0.1, rtol=0.02)
+
+
 def test_layout_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSERVE_CPU_LINEAR", raising=False)
-    assert linear_layout() == "packed"  # on every CPU: faster than MKL on Intel's and AMD's
-    assert linear_layout(deterministic=True) == "packed"  # batch-invariant and faster than the fixed-order one
+    assert linear_layout() == "packed"  # on every CPU (and deterministic mode's batch-invariant product)
     monkeypatch.setenv("KVSERVE_CPU_LINEAR", "blas")
-    assert linear_layout() == "blas"
-    assert linear_layout(deterministic=True) == "blas"  # then the fixed-order linear
+    assert linear_layout() == "blas"  # under deterministic: the fixed-order linear
     monkeypatch.setenv("KVSERVE_CPU_LINEAR", "Packed ")
     assert linear_layout() == "packed"
     monkeypatch.setenv("KVSERVE_CPU_LINEAR", "fast")

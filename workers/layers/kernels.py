@@ -1,8 +1,8 @@
 """Handing a model the compiled CPU kernels once its weights are loaded.
 
 - RMSNorm (with the residual add), SiLU-and-multiply and rotary use the backend's fused ops.
-- Linear layers run the compiled linear (output columns split across threads, one BLAS call each)
-  where it applies, else ``F.linear``.
+- Linear layers run the compiled linear: the packed product over column panels, or for the blas
+  layout output columns split across threads, one BLAS call each (else ``F.linear``).
 - A model that can run its whole layer stack as one compiled call (``bind_decoder_stack``, the
   Llama family at tensor-parallel size 1) does so: the same ops without the Python between them,
   about 0.1 ms per layer per step. ``KVSERVE_DECODER_STACK=0`` keeps the layer-by-layer path.
@@ -53,7 +53,7 @@ def _transposed_layout(weight: torch.Tensor) -> torch.Tensor:
     return storage.t()
 
 
-def linear_layout(deterministic: bool = False) -> str:
+def linear_layout() -> str:
     """``packed`` or ``blas`` (see the module docstring): ``KVSERVE_CPU_LINEAR`` if set, else packed
     (under ``deterministic`` too, where it is the batch-invariant product)."""
     chosen = os.environ.get("KVSERVE_CPU_LINEAR", "").strip().lower()
@@ -95,7 +95,7 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False) -
     loaded. ``deterministic``: the linear layers run batch-invariant products (the packed one, else
     the fixed-order linear)."""
     linear = layer_ops.linear_fixed_order if deterministic else layer_ops.linear
-    layout = linear_layout(deterministic)
+    layout = linear_layout()
     logger.info("CPU linear layers: %s layout", layout)
     for module in model.modules():
         if hasattr(module, "ops"):  # RMSNorm, RotaryEmbedding, gated MLPs: they declare the slot
