@@ -252,7 +252,7 @@ def test_the_avx2_build_passes_the_kernel_tests(second_build):
     tests = ["tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_layer_ops.py",
              "tests/kernels/test_cpu_metadata_checks.py", "tests/kernels/test_deterministic_kernels.py",
              "tests/kernels/test_cpu_envelope.py", "tests/kernels/test_cpu_moe.py",
-             "tests/kernels/test_cpu_kv_quant.py"]
+             "tests/kernels/test_cpu_kv_quant.py", "tests/kernels/test_gemm_blocking.py"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests,
                            "-k", "not test_linear_at_real_widths or 896 or 1152 or 50272"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
