@@ -124,37 +124,37 @@ def pids_naming(text: str) -> list[int]:
     return _pids_whose("cmdline", lambda cmdline: needle in cmdline)
 
 
-def with_descendants(pids: list[int]) -> list[int]:
-    """``pids`` and every process descending from them, now (a process whose parent dies is handed to
-    init, and its ancestry is lost: take the tree before stopping any of it)."""
+def _stats() -> dict[int, list[str]]:
+    """pid -> /proc/<pid>/stat fields of every live process."""
+    return {pid: st for pid in all_pids() if (st := stat(pid)) is not None}
+
+
+def _descendants(roots: list[int], stats: dict[int, list[str]]) -> set[int]:
+    """``roots`` and every process in ``stats`` descending from them."""
     children: dict[int, list[int]] = {}
-    for pid in all_pids():
-        st = stat(pid)
-        if st is not None:
-            children.setdefault(int(st[1]), []).append(pid)
-    found, todo = [], list(pids)
+    for pid, st in stats.items():
+        children.setdefault(int(st[1]), []).append(pid)
+    found, todo = set(), list(roots)
     while todo:
         pid = todo.pop()
         if pid not in found:
-            found.append(pid)
+            found.add(pid)
             todo.extend(children.get(pid, ()))
-    return sorted(found)
+    return found
+
+
+def with_descendants(pids: list[int]) -> list[int]:
+    """``pids`` and every process descending from them, now (a process whose parent dies is handed to
+    init, and its ancestry is lost: take the tree before stopping any of it)."""
+    return sorted(_descendants(pids, _stats()))
 
 
 def server_pids(server: Server) -> dict[int, str]:
     """pid -> start time of every process of the server: the launched process, its descendants, and
     whatever carries the server's tag in its environment (Ray's workers, started by the raylet)."""
-    stats = {pid: st for pid in all_pids() if (st := stat(pid)) is not None}
-    children: dict[int, list[int]] = {}
-    for pid, st in stats.items():
-        children.setdefault(int(st[1]), []).append(pid)
-    found, todo = set(), [server.proc.pid, *tagged_pids(server.tag)]
-    while todo:
-        pid = todo.pop()
-        if pid not in found and pid in stats:
-            found.add(pid)
-            todo.extend(children.get(pid, ()))
-    return {pid: stats[pid][19] for pid in found}
+    stats = _stats()
+    found = _descendants([server.proc.pid, *tagged_pids(server.tag)], stats)
+    return {pid: stats[pid][19] for pid in found if pid in stats}
 
 
 def process_name(pid: int) -> str:

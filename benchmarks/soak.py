@@ -14,6 +14,7 @@ from collections import Counter
 from benchmarks.mixed_load import MixedLoad
 from benchmarks.chaos import (Load, _outcomes, _settled_stats, _write, add_common_arguments, app_args, engine_stats,
                               start_app, stop_app)
+from benchmarks.server_process import with_descendants
 
 
 TIMELINE_S = 30.0
@@ -33,20 +34,7 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
 def _processes(root: int) -> dict[int, str]:
     """pid -> name of every live process under ``root`` (Linux /proc): Ray's GCS, raylet, and the
     workers it starts (Serve's controller and proxy, the replicas, the scheduler actor, the ranks)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = {}, list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found[pid] = _name(pid)
-        todo.extend(children.get(pid, []))
+    found = {pid: _name(pid) for pid in with_descendants([root]) if pid != root}
     return {pid: name for pid, name in found.items() if name}
 
 
