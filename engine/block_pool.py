@@ -11,13 +11,22 @@ Invariants (checked by the property tests):
 Window pages of a hybrid KV layout: ``engine/window_pages.py`` (``WindowPages``, a base of BlockPool).
 
 A freed block keeps its hash until it is handed out again: that is the prefix cache. The free queue
-is ordered for eviction, least recently freed at the head; the fresh ids come first, in id order::
+is ordered for hand-out: first the blank blocks (freed without a hash: nothing in them can be hit),
+the most recently freed first; then the fresh ids, in id order; then the cached blocks, least
+recently freed first (the eviction order)::
 
-    head <-> [fresh k .. N-1] <-> b7 <-> b3 <-> b9 <-> tail
+    head <-> b5 <-> b2 <-> [fresh k .. N-1] <-> b7 <-> b3 <-> b9 <-> tail
+             (blank, latest first)               (cached, LRU first)
 
-get_new_blocks takes from the head (fresh ids first, each made into a block as it is handed out);
-free appends at the tail. This is the order of a queue that starts as 1 .. N-1 with every block made,
-so a pool of millions of blocks costs nothing at start and only what it has used since.
+get_new_blocks takes from the head (fresh ids made into blocks as they are handed out); free pushes
+a blank block at the head and appends a cached one at the tail. This is the order of a queue that
+starts as 1 .. N-1 with every block made and blank. Reusing blank blocks before fresh ones keeps a
+pool's touched memory at what runs at once (a pool of millions of blocks costs nothing at start and
+only what it has used since; on CPU, the pages of the KV pool are faulted in, and zeroed, on first
+touch) and hands out the block most likely still in the caches; it never costs a prefix hit, since a
+blank block holds none, and fresh ids are still taken before any cached block is evicted. A block's
+place is chosen when it is freed (a free block given a hash moves to the cached blocks' tail; one
+that loses its hash while free stays among the cached).
 
 Two summaries are kept as the pool changes, so that readers on other threads (the router's report,
 the dashboard) copy them under the engine's lock instead of walking the pool: ``recent`` (the
@@ -80,8 +89,10 @@ class FreshBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """The free blocks in eviction order: a range of fresh ids at the head, then an intrusive doubly
-    linked list of freed blocks (O(1) append, popleft and remove-from-middle).
+    """The free blocks in hand-out order: an intrusive doubly linked list of blank blocks (freed
+    without a hash; O(1) push and pop at its head), a range of fresh ids, then an intrusive doubly
+    linked list of cached blocks (O(1) append and popleft). Any free block leaves either list in O(1)
+    (``remove``).
 
     ``made`` lists the blocks made so far, by id (ids 0 .. len(made)-1); ids len(made) .. num_blocks-1
     are fresh. Handing out a fresh id makes its block and appends it to ``made``."""
@@ -90,6 +101,8 @@ class FreeKVCacheBlockQueue:
         self._made = made
         self._fresh_next = len(made)  # the first fresh id (== len(made) at all times)
         self._end = num_blocks
+        self._blank_head, self._blank_tail = KVCacheBlock(-1), KVCacheBlock(-1)
+        self._blank_head.next_free, self._blank_tail.prev_free = self._blank_tail, self._blank_head
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
         self._head.next_free, self._tail.prev_free = self._tail, self._head
@@ -109,19 +122,27 @@ class FreeKVCacheBlockQueue:
         if not 0 <= n <= self.num_free_blocks:
             raise ValueError(f"asked for {n} KV blocks with {self.num_free_blocks} free")
         self.num_free_blocks -= n
-        if self._fresh_next < self._end:
-            blocks = self._make_fresh(n)
-            n -= len(blocks)
-        else:
-            blocks = []
+        blocks: list[KVCacheBlock] = []
+        head, blank_tail = self._blank_head, self._blank_tail
+        while n and head.next_free is not blank_tail:
+            blocks.append(self._unlink_after(head))
+            n -= 1
+        if n and self._fresh_next < self._end:
+            fresh = self._make_fresh(n)
+            blocks += fresh
+            n -= len(fresh)
         head = self._head
         for _ in range(n):
-            block = head.next_free
-            nxt = block.next_free
-            head.next_free, nxt.prev_free = nxt, head
-            block.prev_free = block.next_free = None
-            blocks.append(block)
+            blocks.append(self._unlink_after(head))
         return blocks
+
+    @staticmethod
+    def _unlink_after(head: KVCacheBlock) -> KVCacheBlock:
+        block = head.next_free
+        nxt = block.next_free
+        head.next_free, nxt.prev_free = nxt, head
+        block.prev_free = block.next_free = None
+        return block
 
     def _make_fresh(self, n: int) -> list[KVCacheBlock]:
         """Up to ``n`` fresh ids from the head, made into blocks."""
@@ -144,33 +165,51 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        last.next_free, block.prev_free = block, last
-        block.next_free, self._tail.prev_free = self._tail, block
+        """A block joins the free queue: at the head where it is blank (no hash, and not a window page
+        that follows a cached block), else at the tail (the most recently freed of the cached)."""
+        if block.block_hash is None and block.owner is None:
+            head = self._blank_head
+            first = head.next_free
+            head.next_free, block.prev_free = block, head
+            block.next_free, first.prev_free = first, block
+        else:
+            last = self._tail.prev_free
+            last.next_free, block.prev_free = block, last
+            block.next_free, self._tail.prev_free = self._tail, block
         self.num_free_blocks += 1
 
-    def freed_latest_first(self) -> Iterator[KVCacheBlock]:
-        """The freed (not fresh) blocks, most recently freed first."""
-        block = self._tail.prev_free
-        while block is not self._head:
-            yield block
-            block = block.prev_free
-
-    def __iter__(self) -> Iterator[KVCacheBlock | FreshBlock]:
-        """Every free block in eviction order: FreshBlock stand-ins for the fresh ids, then the freed
-        blocks."""
-        for block_id in range(self._fresh_next, self._end):
-            yield FreshBlock(block_id)
-        block = self._head.next_free
-        while block is not self._tail:
+    @staticmethod
+    def _walk(head: KVCacheBlock, tail: KVCacheBlock) -> Iterator[KVCacheBlock]:
+        block = head.next_free
+        while block is not tail:
             yield block
             block = block.next_free
 
+    @staticmethod
+    def _walk_back(head: KVCacheBlock, tail: KVCacheBlock) -> Iterator[KVCacheBlock]:
+        block = tail.prev_free
+        while block is not head:
+            yield block
+            block = block.prev_free
+
+    def blank_blocks(self) -> Iterator[KVCacheBlock]:
+        """The blank blocks (the head of the queue), in hand-out order."""
+        return self._walk(self._blank_head, self._blank_tail)
+
+    def __iter__(self) -> Iterator[KVCacheBlock | FreshBlock]:
+        """Every free block in hand-out order: the blank blocks, FreshBlock stand-ins for the fresh
+        ids, then the cached blocks."""
+        yield from self._walk(self._blank_head, self._blank_tail)
+        for block_id in range(self._fresh_next, self._end):
+            yield FreshBlock(block_id)
+        yield from self._walk(self._head, self._tail)
+
     def __reversed__(self) -> Iterator[KVCacheBlock | FreshBlock]:
-        """Most recently freed first, the fresh ids last (highest first)."""
-        yield from self.freed_latest_first()
+        """The hand-out order backwards: the most recently freed cached block first."""
+        yield from self._walk_back(self._head, self._tail)
         for block_id in range(self._end - 1, self._fresh_next - 1, -1):
             yield FreshBlock(block_id)
+        yield from self._walk_back(self._blank_head, self._blank_tail)
 
 
 class BlockPool(WindowPages):
@@ -254,8 +293,10 @@ class BlockPool(WindowPages):
         self.cached.setdefault(block_hash, {})[block.block_id] = block
         self.num_cached_blocks += 1
         self.recent.use(block_hash)
-        if not block.ref_cnt:
+        if not block.ref_cnt:  # a free block (a plan undone gives an evicted block its hash back)
             self.states[block.block_id] = CACHED
+            self.free_queue.remove(block)  # among the cached blocks, not the blank ones handed out first
+            self.free_queue.append(block)
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
@@ -296,7 +337,8 @@ class BlockPool(WindowPages):
         return list(islice(self.recent.by_recency(), max(limit, 0)))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take ``num_blocks`` from the head of the free queue (evicting their cached contents)."""
+        """Take ``num_blocks`` from the head of the free queue: blank blocks, then fresh ids, then cached
+        blocks (evicting their contents)."""
         blocks = self.free_queue.popleft_n(num_blocks)
         states = self.states
         if len(states) < len(self.blocks):  # fresh ids were made into blocks

@@ -91,6 +91,10 @@ def check_ref_counts(kv) -> None:
     for block in pool.blocks[1:]:
         assert block.ref_cnt == holders[block.block_id], block
         assert (block.ref_cnt == 0) == (block.block_id in free), block
-    fresh = range(len(pool.blocks), pool.num_blocks)  # never handed out: free, at the head of the queue
-    assert len(fresh) == pool.num_fresh_blocks and in_queue[:len(fresh)] == list(fresh)
+    # never handed out: free, after the blank blocks (freed without a hash) and before the cached ones
+    fresh = range(len(pool.blocks), pool.num_blocks)
+    blank = [b.block_id for b in pool.free_queue.blank_blocks()]
+    assert all(pool.blocks[i].block_hash is None and pool.blocks[i].owner is None for i in blank)
+    assert in_queue[:len(blank)] == blank
+    assert len(fresh) == pool.num_fresh_blocks and in_queue[len(blank):len(blank) + len(fresh)] == list(fresh)
     assert not any(holders[i] for i in fresh)

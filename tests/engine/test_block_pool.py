@@ -27,14 +27,54 @@ def test_blocks_are_handed_out_from_the_head_and_block_zero_is_null():
         pool.get_new_blocks(3)
 
 
-def test_freed_blocks_join_the_tail_in_the_order_given():
+def test_cached_blocks_join_the_tail_in_the_order_given():
     pool = BlockPool(6, enable_caching=True)
     blocks = pool.get_new_blocks(5)
+    h = hash_blocks(list(range(20)), 4)
+    for i, block in enumerate(blocks):
+        pool.cache_block(block, h[i], tuple(range(4 * i, 4 * i + 4)))
     pool.free_blocks(reversed(blocks[:3]))  # a request frees tail first: 3, 2, 1
     assert free_order(pool) == [3, 2, 1]
     pool.free_blocks([blocks[4]])
     assert free_order(pool) == [3, 2, 1, 5]
     assert ids(pool.get_new_blocks(2)) == [3, 2]  # least recently freed first
+    assert pool.num_evictions == 2
+
+
+def test_blank_blocks_are_handed_out_first_most_recently_freed_first():
+    """A block freed without a hash holds nothing a request can hit: it goes to the head, before
+    the fresh ids and the cached blocks, the last one freed (the warmest) first."""
+    pool = BlockPool(8, enable_caching=True)
+    blocks = pool.get_new_blocks(5)
+    h = hash_blocks(list(range(8)), 4)
+    pool.cache_block(blocks[0], h[0], (0, 1, 2, 3))
+    pool.cache_block(blocks[1], h[1], (4, 5, 6, 7))
+    pool.free_blocks(reversed(blocks[:3]))  # 3 (blank), then 2 and 1 (cached)
+    assert free_order(pool) == [3, 6, 7, 2, 1]
+    pool.free_blocks([blocks[3], blocks[4]])  # blank: each before the last
+    assert free_order(pool) == [5, 4, 3, 6, 7, 2, 1]
+    assert ids(pool.get_new_blocks(5)) == [5, 4, 3, 6, 7]  # no eviction: fresh ids before cached blocks
+    assert pool.num_evictions == 0 and pool.get_cached_block(h[0], (0, 1, 2, 3)) is blocks[0]
+    assert ids(pool.get_new_blocks(1)) == [2] and pool.num_evictions == 1
+
+
+def test_without_caching_a_freed_block_is_reused_before_any_fresh_one():
+    pool = BlockPool(1000, enable_caching=False)
+    for _ in range(50):  # requests of 3 blocks, one after another: the same 3 blocks every time
+        blocks = pool.get_new_blocks(3)
+        assert sorted(ids(blocks)) == [1, 2, 3]
+        pool.free_blocks(reversed(blocks))
+    assert pool.num_blocks_made == 3 and pool.num_fresh_blocks == 996
+
+
+def test_a_free_blank_block_given_a_hash_moves_among_the_cached():
+    pool = BlockPool(5, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    pool.free_blocks([b, a])
+    assert free_order(pool) == [1, 2, 3, 4]
+    pool.cache_block(a, hash_blocks([1, 2, 3, 4], 4)[0], (1, 2, 3, 4))  # a plan undone gives a hash back
+    assert free_order(pool) == [2, 3, 4, 1]
+    assert [blk.block_id for blk in pool.free_queue.blank_blocks()] == [2]
 
 
 def test_cached_block_stays_cached_while_free_and_is_evicted_on_reuse():
@@ -55,6 +95,9 @@ def test_cached_block_stays_cached_while_free_and_is_evicted_on_reuse():
 def test_touch_takes_a_free_block_out_of_the_middle_of_the_queue():
     pool = BlockPool(5, enable_caching=True)
     blocks = pool.get_new_blocks(4)
+    h = hash_blocks(list(range(16)), 4)
+    for i, block in enumerate(blocks):
+        pool.cache_block(block, h[i], tuple(range(4 * i, 4 * i + 4)))
     pool.free_blocks(blocks)
     assert free_order(pool) == [1, 2, 3, 4]
     pool.touch([blocks[2]])
@@ -66,6 +109,16 @@ def test_touch_takes_a_free_block_out_of_the_middle_of_the_queue():
     assert blocks[2].ref_cnt == 1 and free_order(pool) == [1, 2, 4]
     pool.free_blocks([blocks[2]])
     assert free_order(pool) == [1, 2, 4, 3]
+
+
+def test_touch_takes_a_blank_block_out_of_the_head():
+    pool = BlockPool(6, enable_caching=False)
+    blocks = pool.get_new_blocks(4)
+    pool.free_blocks(blocks)  # blank, each before the last: 4, 3, 2, 1
+    assert free_order(pool) == [4, 3, 2, 1, 5]
+    pool.touch([blocks[1]])  # a fork shares a block
+    assert free_order(pool) == [4, 3, 1, 5] and pool.num_free_blocks == 4
+    assert ids(pool.get_new_blocks(4)) == [4, 3, 1, 5]
 
 
 def test_double_free_is_an_error():

@@ -1,5 +1,6 @@
 """The block pool makes a block only when its id is first handed out, and behaves exactly as a pool
-that made every block at start: the same ids in the same order, the same evictions, the same hits."""
+that made every block at start (each blank, never used): the same ids in the same order, the same
+evictions, the same hits."""
 
 from __future__ import annotations
 
@@ -15,17 +16,26 @@ from engine.block_pool import BlockPool, FreshBlock
 
 
 class EagerPool:
-    """A pool with every block id free from the start, in plain lists: the order to match."""
+    """A pool with every block id free from the start, in plain lists: the order to match. Blank
+    blocks (no hash when freed; at start, all of them) are handed out first, the last freed first,
+    then the cached ones, least recently freed first."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.free = list(range(1, num_blocks))  # eviction order, head first
+        self.blank = list(range(1, num_blocks))  # hand-out order, head first
+        self.lru: list[int] = []
         self.ref = [0] * num_blocks
         self.hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, dict[int, None]] = {}  # hash -> block ids, in the order cached
         self.num_evictions = 0
 
+    @property
+    def free(self) -> list[int]:
+        return self.blank + self.lru
+
     def get_new(self, n: int) -> list[int]:
-        out, self.free = self.free[:n], self.free[n:]
+        out = self.free[:n]
+        taken = min(n, len(self.blank))
+        self.blank, self.lru = self.blank[taken:], self.lru[n - taken:]
         for i in out:
             if self.hash[i] is not None:
                 self._forget(i)
@@ -37,11 +47,14 @@ class EagerPool:
         for i in ids:
             self.ref[i] -= 1
             if self.ref[i] == 0:
-                self.free.append(i)
+                if self.hash[i] is None:
+                    self.blank.insert(0, i)
+                else:
+                    self.lru.append(i)
 
     def touch(self, i: int) -> None:
         if self.ref[i] == 0:
-            self.free.remove(i)
+            (self.blank if i in self.blank else self.lru).remove(i)
         self.ref[i] += 1
 
     def cache(self, i: int, h: int) -> None:
@@ -139,29 +152,35 @@ def test_a_pool_of_two_million_blocks_makes_only_the_null_block():
     blocks = pool.get_new_blocks(16)
     assert [b.block_id for b in blocks] == list(range(1, 17)) and len(pool.blocks) == 17
     assert pool.num_free_blocks == 1_999_983 and pool.num_fresh_blocks == 1_999_983
-    pool.free_blocks(reversed(blocks))
+    pool.free_blocks(reversed(blocks))  # blank: reused first, 1 (the last freed) at the head
     assert pool.num_free_blocks == 1_999_999 and pool.num_fresh_blocks == 1_999_983
-    assert [b.block_id for b in itertools.islice(reversed(pool.free_queue), 3)] == [1, 2, 3]
+    assert [b.block_id for b in itertools.islice(pool.free_queue, 3)] == [1, 2, 3]
+    assert [b.block_id for b in itertools.islice(reversed(pool.free_queue), 2)] == [1_999_999, 1_999_998]
+    assert [b.block_id for b in pool.get_new_blocks(17)] == list(range(1, 18)) and len(pool.blocks) == 18
 
 
-def test_fresh_blocks_are_listed_as_free_uncached_stand_ins_before_the_freed_blocks():
-    pool = BlockPool(6, enable_caching=True)
-    a, b = pool.get_new_blocks(2)
-    pool.free_blocks([b, a])
+def test_fresh_blocks_are_listed_as_free_uncached_stand_ins_between_the_blank_and_the_cached_blocks():
+    pool = BlockPool(7, enable_caching=True)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_block(c, b"h" * 16, (1,))
+    pool.free_blocks([c, b, a])
     listed = list(pool.free_queue)
-    assert [type(x) for x in listed] == [FreshBlock, FreshBlock, FreshBlock, block_pool.KVCacheBlock,
-                                         block_pool.KVCacheBlock]
-    assert [x.block_id for x in listed] == [3, 4, 5, 2, 1] and listed[3] is b and listed[4] is a
-    assert all(x.ref_cnt == 0 and x.block_hash is None and not x.is_null for x in listed[:3])
-    assert [x.block_id for x in reversed(pool.free_queue)] == [1, 2, 5, 4, 3]
-    assert list(pool.free_queue.freed_latest_first()) == [a, b]
+    assert [type(x) for x in listed] == [block_pool.KVCacheBlock, block_pool.KVCacheBlock, FreshBlock, FreshBlock,
+                                         FreshBlock, block_pool.KVCacheBlock]
+    assert [x.block_id for x in listed] == [1, 2, 4, 5, 6, 3] and listed[0] is a and listed[1] is b
+    assert listed[5] is c
+    assert all(x.ref_cnt == 0 and x.block_hash is None and not x.is_null for x in listed[2:5])
+    assert [x.block_id for x in reversed(pool.free_queue)] == [3, 6, 5, 4, 2, 1]
+    assert list(pool.free_queue.blank_blocks()) == [a, b]
     with pytest.raises(RuntimeError, match="not in the free queue"):
-        pool.touch([listed[0]])  # a stand-in is not the block: the pool refuses it
+        pool.touch([listed[2]])  # a stand-in is not the block: the pool refuses it
 
 
-def test_the_last_fresh_block_then_the_freed_ones():
-    pool = BlockPool(4, enable_caching=False)
+def test_the_last_fresh_block_then_the_cached_ones():
+    pool = BlockPool(4, enable_caching=True)
     first = pool.get_new_blocks(2)
+    for i, block in enumerate(first):
+        pool.cache_block(block, bytes([i]) * 16, (i,))
     pool.free_blocks(first)
     assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 1]  # fresh 3, then the oldest freed
     assert pool.num_fresh_blocks == 0 and len(pool.blocks) == 4

@@ -165,10 +165,12 @@ def test_an_undone_step_leaves_no_tier_entry_and_no_restored_block():
     assert kv.host_tier.num_resident == 0 and kv.tier_stats.offloaded == 0
     assert kv.host_tier_stats()["kv_offload_bytes"] == 0
     kv.free(b)
-    # now one that ran (b's blocks left the cache with the undone step: b2 evicts a0 instead),
-    # then a restore in a step that fails
+    # now one that ran (b's blocks left the cache with the undone step: blank, they are handed out
+    # first; b2, one token longer than b, takes them and evicts a0), then a restore in a step that fails
     kv.begin_step()
-    prefill(kv, b2 := make_request("b2", list(range(100, 112))))
+    prefill(kv, b2 := make_request("b2", list(range(100, 113))))
+    b2_blocks = list(kv.req_to_blocks["b2"])
+    assert b2_blocks == b_blocks + [a_blocks[0]]  # the blank ones (freed tail first: the first at the head)
     assert kv.take_tier_copies() == ([(a_blocks[0].block_id, 0)], [])
     kv.free(b2)
     kv.begin_step()  # the offload ran
@@ -176,7 +178,7 @@ def test_an_undone_step_leaves_no_tier_entry_and_no_restored_block():
     assert [e.block_hash for e in resident] == [hash_blocks(list(range(9)), BS)[0]]
     computed, num_cached = kv.get_computed_blocks(make_request("c", list(range(9))))
     assert num_cached == 4 and computed[0].block_hash == resident[0].block_hash  # a1 was never offloaded
-    assert computed[0] is b_blocks[0]  # the free queue's head: uncached since the undone step
+    assert computed[0] is b2_blocks[3]  # the free queue's head: b2's partial block, blank
     assert kv.take_tier_copies() == ([], [(0, computed[0].block_id)])
     assert kv.tier_stats.hits == 1 and kv.host_tier.is_pinned(0)
     kv.rollback_step()

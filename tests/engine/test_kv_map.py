@@ -41,12 +41,13 @@ def finish_all(sched, runner):
 def scripted(sched, runner):
     """a (13 tokens) and z (9) run to the end; then b and c hit a's three blocks, and e hits b's four.
 
-    Block ids, from the free queue (1..39 at start; a request frees tail first):
-      a takes 1-4 (1-3 full, cached), frees 4,3,2,1 -> queue 5..39,4,3,2,1
-      z takes 5-7 (5, 6 full, cached), frees 7,6,5 -> queue 8..39,4,3,2,1,7,6,5
-      b hits 1-3, takes 8, 9 (8 holds b's tokens 50-53, cached); c hits 1-3, takes 10
-      e hits 1-3 and 8, takes 11
-    so 1-3 are held by b, c, e; 8 by b and e; 9, 10, 11 by one; 5, 6 cached; 4, 7, 12-39 free."""
+    Block ids, from the free queue (1..39 at start; a request frees tail first; a block freed
+    without a hash goes to the head, a cached one to the tail):
+      a takes 1-4 (1-3 full, cached), frees 4,3,2,1 -> queue 4,5..39,3,2,1
+      z takes 4-6 (4, 5 full, cached), frees 6,5,4 -> queue 6,7..39,3,2,1,5,4
+      b hits 1-3, takes 6, 7 (6 holds b's tokens 50-53, cached); c hits 1-3, takes 8
+      e hits 1-3 and 6, takes 9
+    so 1-3 are held by b, c, e; 6 by b and e; 7, 8, 9 by one; 4, 5 cached; 10-39 free."""
     sched.add_request(make_request("a", SYSTEM + [13], max_tokens=2))
     finish_all(sched, runner)
     sched.add_request(make_request("z", list(range(90, 99)), max_tokens=1))
@@ -63,8 +64,8 @@ def test_exact_states_counts_and_shared_prefixes_of_a_scripted_engine():
     scripted(sched, runner)
     snap = KVMonitor(sched).snapshot()
     assert snap["num_blocks"] == 39 and snap["block_size"] == BS
-    assert rle_decode(snap["grid"]) == "sss" + "f" + "cc" + "f" + "s" + "uuu" + "f" * 28
-    assert snap["grid"] == "s3fc2fsu3f28"
+    assert rle_decode(snap["grid"]) == "sss" + "cc" + "s" + "uuu" + "f" * 30
+    assert snap["grid"] == "s3c2su3f30"
     assert snap["counts"] == {"free": 30, "cached": 2, "used": 3, "shared": 4}
     assert snap["num_requests_running"] == 3 and snap["num_requests_waiting"] == 0
     assert snap["kv_cache_usage"] == sched.kv.block_pool.usage == 7 / 39
@@ -221,13 +222,13 @@ def test_host_tier_usage_is_read_from_the_tier():
 
 
 def test_an_engine_with_a_host_tier_shows_what_it_offloaded():
-    """Six prompts of 9 tokens (2 full blocks each, 3 blocks with their 2 outputs) one after the other
-    in 11 usable blocks: r3 takes 10, 11 and r0's partial block 3; r4 evicts r0's two cached blocks
-    (and r1's partial 6), r5 r1's two: four blocks offloaded into the tier of 8."""
+    """Seven prompts of 9 tokens (2 full blocks each, 3 blocks with their 2 outputs) one after the other
+    in 11 usable blocks, each taking the last one's partial block (blank) and two more: r0-r4 fill the
+    pool, r5 evicts r0's two cached blocks, r6 r1's two: four blocks offloaded into the tier of 8."""
     sched = Scheduler(num_kv_blocks=12, block_size=BS, enable_prefix_caching=True, max_num_seqs=4,
                       max_num_batched_tokens=64, max_model_len=64, num_host_kv_blocks=8)
     runner = FakeRunner()
-    for i in range(6):
+    for i in range(7):
         sched.add_request(make_request(f"r{i}", [10 * i + j for j in range(1, 10)], max_tokens=2))
         finish_all(sched, runner)
     monitor = KVMonitor(sched)
@@ -296,8 +297,9 @@ def test_a_fragmented_32768_block_pool_stays_small_on_the_wire():
         step(sched, runner)
     snap = KVMonitor(sched).snapshot()
     runs = len([c for c in snap["grid"] if c.isalpha()])
-    assert runs > 3000, runs  # fragmented: 4065 runs on this seed
+    assert runs > 1500, runs  # fragmented: 2160 runs on this seed
     counts = snap["counts"]
-    assert counts["used"] > 1000 and counts["cached"] > 1000 and counts["free"] > 500 and counts["shared"] >= 10, counts
+    # (nothing stays free: blank blocks are handed out first, then the fresh ids, before any eviction)
+    assert counts["used"] > 1000 and counts["cached"] > 1000 and counts["shared"] >= 10, counts
     wire = gzip.compress(json.dumps(snap, separators=(",", ":")).encode(), compresslevel=6)
     assert len(wire) < 6_000, len(wire)  # about 3 KB: 2 KB/s at the page's 1.5 s poll
