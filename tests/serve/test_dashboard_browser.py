@@ -182,6 +182,11 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, model_dir, prompts,
     base = f"http://127.0.0.1:{port}"
     shared = prompts[3][:300]
     in_flight = [prompts[3], prompts[4], shared + prompts[2][:25]]  # 300 shared tokens: 18 full blocks
+    # two more, aborted once the engine stands still, for free blocks on the map: the pool hands out
+    # blank blocks (freed without a hash) first, so after the cycle below fills it nothing else stays
+    # free. Their lengths differ by 8 and they decode in step, so one of them has a partial last block.
+    ids = corpus_ids(f"{model_dir}/tokenizer.json")
+    in_flight += [list(ids[16000:16020]), list(ids[16100:16128])]
 
     def browse() -> dict:
         """In a thread (the event loop serves the app meanwhile); the engine stands still."""
@@ -245,7 +250,6 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, model_dir, prompts,
                 await asyncio.sleep(0.02)
             async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"},
                                          timeout=60) as http:
-                ids = corpus_ids(f"{model_dir}/tokenizer.json")
                 # 14 distinct prompts of 32 blocks cycle the 399-block pool: the oldest cached blocks are
                 # evicted into the host tier; the last ones stay cached
                 cycle = [list(ids[9000 + 500 * k:9500 + 500 * k]) for k in range(14)]
@@ -256,6 +260,8 @@ def test_the_page_in_chromium_matches_metrics(dash_app, llm, model_dir, prompts,
             async with requests_in_flight(llm, in_flight, max_tokens=1500):
                 await asyncio.sleep(1.5)  # a few history samples while they run
                 async with engine_paused(llm):
+                    llm.core.abort_request("in-flight-3")
+                    llm.core.abort_request("in-flight-4")
                     seen = await asyncio.to_thread(browse)
             await until_clean(llm)
         finally:
