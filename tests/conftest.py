@@ -51,7 +51,7 @@ LONG_MODULES = {
     "tests/cluster/test_gemma_tp.py": 39, "tests/serve/test_overload.py": 36,
     "tests/kernels/test_cpu_envelope.py": 34, "tests/cluster/test_failure_recovery.py": 32,
     "tests/kernels/triton/test_triton_moe.py": 28, "tests/serve/test_dashboard_serve.py": 28,
-    "tests/cluster/test_triton_tp.py": 60,
+    "tests/cluster/test_triton_tp.py": 60, "tests/cluster/test_pp_beyond_one_node.py": 45,
 }
 
 

@@ -144,3 +144,19 @@ def tune_malloc(trim_threshold: int = 1 << 30, top_pad: int = 64 << 20) -> bool:
     if not ok:
         logger.warning("mallopt refused kvserve's settings; glibc's defaults stay")
     return ok
+
+
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim(0)``, which also returns
+    whole free pages inside the heap); False where libc is not glibc. With the settings above nothing
+    freed goes back by itself: after a rank lays its weights out anew for the compiled linear (a copy of
+    each, the original freed), the originals' memory stayed resident, half again the weights (a 2.3 GiB
+    checkpoint in one process: 3.9 GiB anonymous after start, 2.6 GiB trimmed)."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
+

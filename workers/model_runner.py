@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from kernels import PagedAttentionMetadata, select_backend
 from kernels.backends import deterministic_error
 from kernels.kv_quant import is_quantized, kv_format
+from workers.allocator import release_free_heap
 from workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.input_batch import InputBatch, RequestState
 from workers.kv_pool import KVPoolSpec, allocate_kv_pool
@@ -73,6 +74,7 @@ class ModelRunner:
                              f"{self.attention_backend.name} attention backend")
         if self.attention_backend.layer_ops is not None:
             bind_cpu_kernels(self.model, self.attention_backend.layer_ops, config.deterministic)
+            release_free_heap()  # the weights' original layouts, freed
         elif getattr(self.attention_backend, "fused_ops", None) is not None:
             bind_layer_ops(self.model, self.attention_backend.fused_ops, config.deterministic)
         if tp.is_first_rank:

@@ -50,6 +50,33 @@ def test_defaults_when_switched_off():
     assert mapped >= 64 << 20  # glibc maps a block this large by default
 
 
+TRIM_PROBE = """
+import torch
+from workers.allocator import release_free_heap, tune_malloc
+
+def anon():
+    return int(open("/proc/self/status").read().split("RssAnon:")[1].split()[0]) << 10
+
+assert tune_malloc()
+keep = torch.ones(1 << 20)  # allocated after the block below: the heap's top stays in use
+weights = [torch.ones(16 << 20) for _ in range(4)]  # 256 MiB, touched
+keep2 = torch.ones(1 << 20)
+before = anon()
+del weights  # freed in the middle of the heap: kept resident for reuse
+freed = anon()
+print(before - freed, int(release_free_heap()), before - anon())
+"""
+
+
+def test_the_free_heap_goes_back_to_the_system_when_asked():
+    """What the malloc settings keep (freed blocks in the middle of the heap stay resident) goes back
+    with release_free_heap: a rank calls it once its weights' original layouts are freed."""
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, check=True)
+    kept_free, released, returned = (int(x) for x in out.stdout.split())
+    assert kept_free < 16 << 20 and released == 1  # nothing went back by itself
+    assert returned > 240 << 20  # then nearly all of the 256 MiB
+
+
 HUGE_PROBE = """
 import torch
 from workers.allocator import huge_empty
