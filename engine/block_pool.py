@@ -25,8 +25,9 @@ pool's touched memory at what runs at once (a pool of millions of blocks costs n
 only what it has used since; on CPU, the pages of the KV pool are faulted in, and zeroed, on first
 touch) and hands out the block most likely still in the caches; it never costs a prefix hit, since a
 blank block holds none, and fresh ids are still taken before any cached block is evicted. A block's
-place is chosen when it is freed (a free block given a hash moves to the cached blocks' tail; one
-that loses its hash while free stays among the cached).
+place is chosen when it is freed and changes with its state while it is free: a free block given a
+hash moves to the cached blocks' tail; one that loses its hash (or a window page its owner) moves to
+the head, blank.
 
 Two summaries are kept as the pool changes, so that readers on other threads (the router's report,
 the dashboard) copy them under the engine's lock instead of walking the pool: ``recent`` (the
@@ -164,6 +165,12 @@ class FreeKVCacheBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
+    def requeue(self, block: KVCacheBlock) -> None:
+        """A free block whose hash or window-page owner changed takes the place that now fits it."""
+        if block.prev_free is not None:
+            self.remove(block)
+            self.append(block)
+
     def append(self, block: KVCacheBlock) -> None:
         """A block joins the free queue: at the head where it is blank (no hash, and not a window page
         that follows a cached block), else at the tail (the most recently freed of the cached)."""
@@ -295,8 +302,7 @@ class BlockPool(WindowPages):
         self.recent.use(block_hash)
         if not block.ref_cnt:  # a free block (a plan undone gives an evicted block its hash back)
             self.states[block.block_id] = CACHED
-            self.free_queue.remove(block)  # among the cached blocks, not the blank ones handed out first
-            self.free_queue.append(block)
+            self.free_queue.requeue(block)  # among the cached blocks, not the blank ones handed out first
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
@@ -317,6 +323,8 @@ class BlockPool(WindowPages):
             self.states[block.block_id] = FREE
         if block.window_pages is not None and not block.holds:
             self.detach(block)  # free pages follow only a cached block
+        if block.owner is None:
+            self.free_queue.requeue(block)  # free: now blank, handed out first
         return True
 
     def forget_elsewhere(self, block_hash: BlockHash, held_elsewhere: Callable[[BlockHash], bool] | None = None) -> None:
@@ -407,6 +415,9 @@ class BlockPool(WindowPages):
         for block in self.blocks:  # fresh blocks hold no hash
             block.block_hash = block.token_ids = None
             block.window_pages = block.owner = None
+        made = [block for block in self.free_queue if not isinstance(block, FreshBlock)]
+        for block in reversed(made):  # all blank now: handed out before the fresh ids, in the same order
+            self.free_queue.requeue(block)
         self.cached.clear()
         self.num_cached_blocks = 0
         self.recent.clear()

@@ -56,9 +56,12 @@ class WindowPages:
         self.num_held_pages += len(pages)
 
     def detach(self, block: KVCacheBlock) -> None:
-        """``block`` loses its attached pages (their ref counts and places in the free queue stay)."""
+        """``block`` loses its attached pages (their ref counts stay; a free one, blank now, moves to the
+        head of the free queue)."""
         for page in block.window_pages:
             page.owner = None
+            if not page.ref_cnt:
+                self.free_queue.requeue(page)
         block.window_pages = None
 
     def hold(self, block: KVCacheBlock) -> None:

@@ -69,6 +69,34 @@ class EagerPool:
             del self.cached[self.hash[i]]
         self.hash[i] = None
 
+    def place(self, i: int) -> None:
+        """A free block whose hash changed takes the place that fits it now."""
+        if self.ref[i] == 0:
+            (self.blank if i in self.blank else self.lru).remove(i)
+            if self.hash[i] is None:
+                self.blank.insert(0, i)
+            else:
+                self.lru.append(i)
+
+    def uncache(self, i: int) -> None:
+        if self.hash[i] is not None:
+            self._forget(i)
+            self.place(i)
+
+    def cache_free(self, i: int, h: int) -> None:
+        """A free blank block given a hash (a plan undone gives an evicted block its hash back)."""
+        self.cache(i, h)
+        self.place(i)
+
+    def reset(self, made: set[int]) -> None:
+        """Every hash forgotten (all blocks free): the made blocks blank, in their order, before the rest."""
+        order = self.free
+        for i in order:
+            if self.hash[i] is not None:
+                self._forget(i)
+        self.blank = [i for i in order if i in made] + [i for i in order if i not in made]
+        self.lru = []
+
     def hit(self, h: int) -> int | None:
         ids = list(self.cached.get(h, ()))
         in_use = [i for i in ids if self.ref[i]]
@@ -113,6 +141,19 @@ def test_ids_evictions_and_hits_match_a_pool_that_made_every_block_at_start(seed
             h = rng.randrange(6)  # few hashes: duplicates and collisions of contents are common
             pool.cache_block(block, key(h), (h,))
             ref.cache(block.block_id, h)
+        elif op < 0.84 and len(pool.blocks) > 1:  # a hash forgotten (a step undone), the block held or free
+            block = rng.choice(pool.blocks[1:])
+            pool.uncache_block(block)
+            ref.uncache(block.block_id)
+        elif op < 0.87 and len(pool.blocks) > 1:  # a free blank block given a hash back
+            block = rng.choice(pool.blocks[1:])
+            if block.ref_cnt == 0 and block.block_hash is None:
+                h = rng.randrange(6)
+                pool.cache_block(block, key(h), (h,))
+                ref.cache_free(block.block_id, h)
+        elif op < 0.88 and not held:  # everything free: the prefix cache reset
+            assert pool.reset_prefix_cache()
+            ref.reset(set(range(1, len(pool.blocks))))
         else:
             h = rng.randrange(6)
             block = pool.get_cached_block(key(h), (h,))
