@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from engine.block_hash import hash_blocks
 from engine.kv_map import (STATES, KVHistory, KVMonitor, host_tier_usage, most_shared_prefixes, rle_decode,
                            rle_encode)
+from engine.request import RequestStatus
 from engine.scheduler import Scheduler
 from tests.engine.fakes import FakeRunner, make_request
 
@@ -295,11 +296,12 @@ def test_a_fragmented_32768_block_pool_stays_small_on_the_wire():
             prompt = ([*system] if rng.random() < 0.33 else []) + [rng.randrange(1, 50) for _ in range(rng.randrange(8, 400))]
             sched.add_request(make_request(f"r{i}", prompt, block_size=16, max_tokens=rng.randrange(1, 400)))
         step(sched, runner)
+    # a third of the running requests aborted: their last, partial blocks go back blank (free)
+    sched.finish_requests([r.request_id for r in sched.running[::3]], RequestStatus.FINISHED_ABORTED)
     snap = KVMonitor(sched).snapshot()
     runs = len([c for c in snap["grid"] if c.isalpha()])
-    assert runs > 1500, runs  # fragmented: 2160 runs on this seed
+    assert runs > 1500, runs  # fragmented: 2107 runs on this seed
     counts = snap["counts"]
-    # (nothing stays free: blank blocks are handed out first, then the fresh ids, before any eviction)
-    assert counts["used"] > 1000 and counts["cached"] > 1000 and counts["shared"] >= 10, counts
+    assert counts["used"] > 1000 and counts["cached"] > 1000 and counts["free"] > 20 and counts["shared"] >= 10, counts  # free: 66
     wire = gzip.compress(json.dumps(snap, separators=(",", ":")).encode(), compresslevel=6)
     assert len(wire) < 6_000, len(wire)  # about 3 KB: 2 KB/s at the page's 1.5 s poll
