@@ -103,19 +103,43 @@ def _lowest_priority() -> None:
             pass
 
 
-def prefault_in_background(tensor: torch.Tensor, name: str = "kv-prefault") -> threading.Thread | None:
+def prefault_chunks(start: int, end: int, regions: int = 1, chunk: int = PREFAULT_CHUNK) -> list[tuple[int, int]]:
+    """The (address, length) pieces that map [start, end), in the order to map them: the range is
+    ``regions`` equal parts (a KV pool's layer halves), and the first ``chunk`` bytes of every part come
+    before the second of any (each piece page-aligned; neighbours may overlap by a page)."""
+    size = (end - start) // max(regions, 1)
+    if regions <= 1 or size <= 0:
+        return [(a, min(chunk, end - a)) for a in range(start, end, chunk)]
+    pieces = []
+    for offset in range(0, size, chunk):
+        for r in range(regions):
+            lo = start + r * size + offset
+            hi = min(lo + chunk, start + (r + 1) * size if r + 1 < regions else end)
+            aligned = lo & ~(mmap.PAGESIZE - 1)
+            pieces.append((aligned, hi - aligned))
+    tail = start + regions * size  # bytes past the equal parts (none for a pool)
+    pieces += [(a & ~(mmap.PAGESIZE - 1), min(chunk, end - a)) for a in range(tail, end, chunk)]
+    return pieces
+
+
+def prefault_in_background(tensor: torch.Tensor, name: str = "kv-prefault", regions: int = 1) -> threading.Thread | None:
     """Map every page of ``tensor`` from a daemon thread, a chunk at a time, without writing to it;
-    None where the kernel cannot (before 5.14) and the pages are mapped as they are first touched."""
+    None where the kernel cannot (before 5.14) and the pages are mapped as they are first touched.
+    ``regions``: the tensor is that many equal parts (a KV pool: one per layer and K or V, each
+    indexed by block id), mapped side by side, chunk k of every part before chunk k + 1 of any: in the
+    order the pool hands blocks out (low ids first), so the steps meet mapped pages sooner than if
+    the last layer's came last."""
     madvise = _libc_madvise()
     if not madvise or tensor.device.type != "cpu":
         return None
     start = tensor.data_ptr() & ~(mmap.PAGESIZE - 1)
     end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    pieces = prefault_chunks(start, end, regions)
 
     def run() -> None:
         _lowest_priority()  # runs where the cores would idle: the start and the steps do not wait for it
-        for chunk in range(start, end, PREFAULT_CHUNK):
-            if madvise(chunk, min(PREFAULT_CHUNK, end - chunk), MADV_POPULATE_WRITE) != 0:
+        for address, length in pieces:
+            if madvise(address, length, MADV_POPULATE_WRITE) != 0:
                 logger.debug("MADV_POPULATE_WRITE refused (errno %d): pages map on first touch",
                              ctypes.get_errno())
                 return

@@ -52,8 +52,8 @@ def allocate_kv_pool(spec: KVPoolSpec, num_blocks: int, device: torch.device, *,
     shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
     if device.type == "cpu":
         pool = zeroed_mapping(shape, spec.pool_dtype)
-        if prefault:
-            prefault_in_background(pool)
+        if prefault:  # block-id order across the layers' parts: as the pool hands blocks out
+            prefault_in_background(pool, regions=spec.num_layers * 2)
     else:
         pool = torch.zeros(shape, dtype=spec.pool_dtype, device=device)
     return [(pool[layer, 0], pool[layer, 1]) for layer in range(spec.num_layers)]

@@ -123,7 +123,7 @@ view = pool[16:48]  # 128 MiB (rows of 4 MiB); row 17 written before the prefaul
 del pool
 gc.collect()  # a view keeps the mapping alive
 view[0, 0] = 3.0
-thread = prefault_in_background(view)
+thread = prefault_in_background(view, regions=4)  # as a pool: its layers' parts side by side
 thread.join(timeout=120)
 print(grew_by_allocating, status_kb("VmRSS:") - rss, anon_huge_kb() - huge,
       float(view[0, 0]), float(view[1, 123]), float(view.sum()), thread.is_alive())
@@ -142,6 +142,25 @@ def test_the_kv_pool_mapping_is_zeroed_untouched_and_prefaulted_in_place():
     setting = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
     if "[never]" not in setting:
         assert int(huge_kb) >= 126 * 1024
+
+
+def test_the_prefault_maps_the_parts_of_a_pool_side_by_side_and_misses_no_page():
+    from workers.allocator import prefault_chunks
+
+    mib = 1 << 20
+    # four parts of 5 MiB: the first 2 MiB of each, then the next 2 MiB of each, then the last 1 MiB
+    pieces = prefault_chunks(0, 20 * mib, 4, chunk=2 * mib)
+    assert [a // mib for a, _ in pieces] == [0, 5, 10, 15, 2, 7, 12, 17, 4, 9, 14, 19]
+    assert [n // mib for _, n in pieces] == [2] * 8 + [1] * 4
+    assert prefault_chunks(0, 5 * mib, 1, chunk=2 * mib) == [(0, 2 * mib), (2 * mib, 2 * mib), (4 * mib, mib)]
+    page = 4096
+    for start, end, regions, chunk in [(page, page + 3 * 1_000_000 + 7, 3, 1 << 19), (0, 10 * page + 1, 7, 2 * page),
+                                        (8 * page, 9 * page, 4, page)]:
+        pieces = prefault_chunks(start, end, regions, chunk)
+        assert all(a % page == 0 and n > 0 for a, n in pieces)
+        covered = {p for a, n in pieces for p in range(a // page, (a + n + page - 1) // page)}
+        assert covered >= set(range(start // page, (end + page - 1) // page))
+        assert all(start - page < a and a + n <= end for a, n in pieces)  # nothing outside the range
 
 
 def test_the_cpu_kv_pool_starts_zeroed():
