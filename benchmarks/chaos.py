@@ -142,24 +142,29 @@ def engine_stats() -> dict:
     return ray.get(engine_actor().stats.remote(), timeout=30)
 
 
-def inject(fault: str) -> str:
-    """Cause ``fault``; returns what was killed."""
+def inject(fault: str) -> tuple[str, float]:
+    """Cause ``fault``; returns what was killed and when (``time.monotonic()`` just before the kill: finding
+    the actor takes a while, a second or more on a loaded machine, in which requests may end)."""
     import ray
 
     if fault == "scheduler":
         actor = engine_actor()
+        killed_at = time.monotonic()
         ray.kill(actor, no_restart=True)
-        return "scheduler actor"
+        return "scheduler actor", killed_at
     if fault == "rank":
         pids = ray.get(engine_actor().worker_pids.remote(), timeout=30)
         if len(pids) < 2:
             raise RuntimeError("the rank fault needs tensor_parallel_size >= 2")
+        killed_at = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
-        return f"rank 1 (pid {pids[1]})"
+        return f"rank 1 (pid {pids[1]})", killed_at
     if fault == "replica":
         [name] = _named("serve", f"SERVE_REPLICA::{APP}#LLMServer#")
-        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-        return "LLMServer replica"
+        replica = ray.get_actor(name, namespace="serve")
+        killed_at = time.monotonic()
+        ray.kill(replica, no_restart=True)
+        return "LLMServer replica", killed_at
     raise ValueError(f"unknown fault {fault!r}")
 
 
@@ -273,8 +278,7 @@ async def _chaos(url: str, faults: list[str], concurrency: int, max_tokens: int,
                 await asyncio.sleep(0.5)
                 if any(not r.ok and r.end >= calm_since for r in load.records):
                     calm_since = time.monotonic()
-            t_fault = time.monotonic()
-            what = await loop.run_in_executor(None, inject, fault)
+            what, t_fault = await loop.run_in_executor(None, inject, fault)  # in flight: running at the kill
             print(f"[chaos] {fault}: killed the {what}", flush=True)
             deadline = t_fault + recovery_timeout
             while (first := load.first_success_after(t_fault)) is None and time.monotonic() < deadline:
