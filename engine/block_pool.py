@@ -38,185 +38,15 @@ shared; it covers the blocks made so far, fresh ids being free).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from itertools import islice
 
 from engine.block_hash import BlockHash
+from engine.free_queue import FreeKVCacheBlockQueue, FreshBlock, KVCacheBlock  # noqa: F401 (imported from here)
 from engine.prefix_report import REPORT_LIMIT, RecentHashes
 from engine.window_pages import FREE, USED, WindowPages
 
 CACHED, SHARED = b"cs"  # a block's state in ``BlockPool.states``
-
-
-class KVCacheBlock:
-    """One block of ``block_size`` KV slots (on every rank and layer at once)."""
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free", "is_null",
-                 "window_pages", "holds", "owner")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None
-        self.token_ids: tuple[int, ...] | None = None  # collision guard for cache hits
-        self.prev_free: KVCacheBlock | None = None
-        self.next_free: KVCacheBlock | None = None
-        self.is_null = False
-        self.window_pages: list[KVCacheBlock] | None = None  # hybrid layout: its G window pages, if attached
-        self.holds = 0  # requests holding those pages
-        self.owner: KVCacheBlock | None = None  # on a window page: the block it is attached to
-
-    def __repr__(self) -> str:
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
-
-
-class FreshBlock:
-    """Stands for a fresh free block when the free queue is listed: the id, free and uncached. It is
-    not the block (that is made when the id is handed out) and the pool takes no action on it."""
-
-    __slots__ = ("block_id",)
-    ref_cnt = 0
-    block_hash = token_ids = None
-    prev_free = next_free = None  # so that taking it out of the free queue is refused
-    is_null = False
-    window_pages = owner = None
-    holds = 0
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-
-    def __repr__(self) -> str:
-        return f"FreshBlock({self.block_id})"
-
-
-class FreeKVCacheBlockQueue:
-    """The free blocks in hand-out order: an intrusive doubly linked list of blank blocks (freed
-    without a hash; O(1) push and pop at its head), a range of fresh ids, then an intrusive doubly
-    linked list of cached blocks (O(1) append and popleft). Any free block leaves either list in O(1)
-    (``remove``).
-
-    ``made`` lists the blocks made so far, by id (ids 0 .. len(made)-1); ids len(made) .. num_blocks-1
-    are fresh. Handing out a fresh id makes its block and appends it to ``made``."""
-
-    def __init__(self, made: list[KVCacheBlock], num_blocks: int) -> None:
-        self._made = made
-        self._fresh_next = len(made)  # the first fresh id (== len(made) at all times)
-        self._end = num_blocks
-        self._blank_head, self._blank_tail = KVCacheBlock(-1), KVCacheBlock(-1)
-        self._blank_head.next_free, self._blank_tail.prev_free = self._blank_tail, self._blank_head
-        self._head = KVCacheBlock(-1)
-        self._tail = KVCacheBlock(-1)
-        self._head.next_free, self._tail.prev_free = self._tail, self._head
-        self.num_free_blocks = num_blocks - len(made)
-
-    @property
-    def num_fresh_blocks(self) -> int:
-        return self._end - self._fresh_next
-
-    def popleft(self) -> KVCacheBlock:
-        if not self.num_free_blocks:
-            raise ValueError("no free KV blocks")
-        return self.popleft_n(1)[0]
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """The ``n`` blocks at the head, taken out of the queue (fresh ones made now)."""
-        if not 0 <= n <= self.num_free_blocks:
-            raise ValueError(f"asked for {n} KV blocks with {self.num_free_blocks} free")
-        self.num_free_blocks -= n
-        blocks: list[KVCacheBlock] = []
-        head, blank_tail = self._blank_head, self._blank_tail
-        while n and head.next_free is not blank_tail:
-            blocks.append(self._unlink_after(head))
-            n -= 1
-        if n and self._fresh_next < self._end:
-            fresh = self._make_fresh(n)
-            blocks += fresh
-            n -= len(fresh)
-        head = self._head
-        for _ in range(n):
-            blocks.append(self._unlink_after(head))
-        return blocks
-
-    @staticmethod
-    def _unlink_after(head: KVCacheBlock) -> KVCacheBlock:
-        block = head.next_free
-        nxt = block.next_free
-        head.next_free, nxt.prev_free = nxt, head
-        block.prev_free = block.next_free = None
-        return block
-
-    def _make_fresh(self, n: int) -> list[KVCacheBlock]:
-        """Up to ``n`` fresh ids from the head, made into blocks."""
-        start = self._fresh_next
-        self._fresh_next = stop = min(start + n, self._end)
-        if stop - start == 1:  # the common case of a decode step: no comprehension to set up
-            block = KVCacheBlock(start)
-            self._made.append(block)
-            return [block]
-        blocks = [KVCacheBlock(i) for i in range(start, stop)]
-        self._made.extend(blocks)
-        return blocks
-
-    def remove(self, block: KVCacheBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None:
-            raise RuntimeError(f"{block} is not in the free queue")
-        prev.next_free, nxt.prev_free = nxt, prev
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
-
-    def requeue(self, block: KVCacheBlock) -> None:
-        """A free block whose hash or window-page owner changed takes the place that now fits it."""
-        if block.prev_free is not None:
-            self.remove(block)
-            self.append(block)
-
-    def append(self, block: KVCacheBlock) -> None:
-        """A block joins the free queue: at the head where it is blank (no hash, and not a window page
-        that follows a cached block), else at the tail (the most recently freed of the cached)."""
-        if block.block_hash is None and block.owner is None:
-            head = self._blank_head
-            first = head.next_free
-            head.next_free, block.prev_free = block, head
-            block.next_free, first.prev_free = first, block
-        else:
-            last = self._tail.prev_free
-            last.next_free, block.prev_free = block, last
-            block.next_free, self._tail.prev_free = self._tail, block
-        self.num_free_blocks += 1
-
-    @staticmethod
-    def _walk(head: KVCacheBlock, tail: KVCacheBlock) -> Iterator[KVCacheBlock]:
-        block = head.next_free
-        while block is not tail:
-            yield block
-            block = block.next_free
-
-    @staticmethod
-    def _walk_back(head: KVCacheBlock, tail: KVCacheBlock) -> Iterator[KVCacheBlock]:
-        block = tail.prev_free
-        while block is not head:
-            yield block
-            block = block.prev_free
-
-    def blank_blocks(self) -> Iterator[KVCacheBlock]:
-        """The blank blocks (the head of the queue), in hand-out order."""
-        return self._walk(self._blank_head, self._blank_tail)
-
-    def __iter__(self) -> Iterator[KVCacheBlock | FreshBlock]:
-        """Every free block in hand-out order: the blank blocks, FreshBlock stand-ins for the fresh
-        ids, then the cached blocks."""
-        yield from self._walk(self._blank_head, self._blank_tail)
-        for block_id in range(self._fresh_next, self._end):
-            yield FreshBlock(block_id)
-        yield from self._walk(self._head, self._tail)
-
-    def __reversed__(self) -> Iterator[KVCacheBlock | FreshBlock]:
-        """The hand-out order backwards: the most recently freed cached block first."""
-        yield from self._walk_back(self._head, self._tail)
-        for block_id in range(self._end - 1, self._fresh_next - 1, -1):
-            yield FreshBlock(block_id)
-        yield from self._walk_back(self._blank_head, self._blank_tail)
 
 
 class BlockPool(WindowPages):
@@ -415,9 +245,7 @@ class BlockPool(WindowPages):
         for block in self.blocks:  # fresh blocks hold no hash
             block.block_hash = block.token_ids = None
             block.window_pages = block.owner = None
-        made = [block for block in self.free_queue if not isinstance(block, FreshBlock)]
-        for block in reversed(made):  # all blank now: handed out before the fresh ids, in the same order
-            self.free_queue.requeue(block)
+        self.free_queue.blank_all()  # all blank now: handed out before the fresh ids, in the same order
         self.cached.clear()
         self.num_cached_blocks = 0
         self.recent.clear()

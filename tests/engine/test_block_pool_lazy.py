@@ -12,6 +12,7 @@ import tracemalloc
 import pytest
 
 import engine.block_pool as block_pool
+import engine.free_queue as free_queue
 from engine.block_pool import BlockPool, FreshBlock
 
 
@@ -118,7 +119,8 @@ def test_ids_evictions_and_hits_match_a_pool_that_made_every_block_at_start(seed
             super().__init__(block_id)
             made.append(block_id)
 
-    monkeypatch.setattr(block_pool, "KVCacheBlock", CountedBlock)
+    monkeypatch.setattr(block_pool, "KVCacheBlock", CountedBlock)  # the null block
+    monkeypatch.setattr(free_queue, "KVCacheBlock", CountedBlock)  # every other (and the chains' sentinels)
     rng = random.Random(seed)
     num_blocks = rng.randint(6, 40)
     pool, ref = BlockPool(num_blocks, enable_caching=True), EagerPool(num_blocks)
