@@ -13,6 +13,7 @@ checkpoint's safetensors headers (nothing is read), in the dtype the engine runs
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -53,12 +54,21 @@ class RankMemory:
         return f"{self.total / GIB:.2f} GiB ({', '.join(parts)})"
 
 
-def _safetensors_numels(path: Path) -> dict[str, int]:
-    """Each tensor's element count from a safetensors file's header (its first bytes only)."""
+@functools.lru_cache(maxsize=256)
+def _header_numels(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, int], ...]:
+    """Each tensor's element count from a safetensors file's header (its first bytes only); cached by
+    the file's path, size and modification time, so that the plans of one start (the refusal check, the
+    replicas' check and the bundle size, each over every rank) read a header once and a rewritten
+    checkpoint is read again."""
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
-    return {name: math.prod(meta["shape"]) for name, meta in header.items() if name != "__metadata__"}
+    return tuple((name, math.prod(meta["shape"])) for name, meta in header.items() if name != "__metadata__")
+
+
+def _safetensors_numels(path: Path) -> dict[str, int]:
+    stat = path.stat()
+    return dict(_header_numels(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
 
 
 def checkpoint_numels(model_dir: str | Path) -> dict[str, int]:

@@ -68,6 +68,35 @@ def test_the_headers_count_what_each_built_stage_holds(models, arch, stages):
     assert stage_weight_elements(numels, stages) == built_stage_elements(models[arch], stages)
 
 
+def test_a_start_reads_each_header_once_and_a_rewritten_checkpoint_again(models, tmp_path, monkeypatch):
+    """build_app plans the refusal, the replicas' fit and the bundle size, each over every rank: one read
+    of each file's header serves them all; a checkpoint written again (another size) is read again."""
+    import builtins
+    import shutil
+
+    import cluster.memory_plan as memory_plan
+
+    path = tmp_path / "model"
+    shutil.copytree(models["llama"], path)
+    reads = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda file, *a, **k: (reads.append(str(file)), real_open(file, *a, **k))[1])
+    config = engine_config(str(path), pipeline_parallel_size=2, num_kv_blocks=10)
+    reads.clear()
+    needs = rank_memory(config, use_gpu=False)
+    memory_refusal(config, False, [64 * GIB])
+    replicas_refusal(config, False, [64 * GIB], 3)
+    bundle_memory(config, False, [64 * GIB])
+    assert [r for r in reads if r.endswith(".safetensors")] == [str((path / "model.safetensors").resolve())]
+    # another checkpoint at the same path: one layer fewer
+    monkeypatch.setattr(builtins, "open", real_open)
+    shutil.rmtree(path)
+    make_model("llama", "tiny", path, seed=1, num_layers=4)
+    fewer = rank_memory(engine_config(str(path), pipeline_parallel_size=2, num_kv_blocks=10), use_gpu=False)
+    assert sum(n.weights for n in fewer) < sum(n.weights for n in needs)
+    assert sum(n.weights for n in fewer) == sum(memory_plan.checkpoint_numels(path).values()) * 4
+
+
 def test_a_ranks_pool_and_host_tier_as_the_settings_give_them(models):
     path = models["llama"]  # 5 layers, 2 KV heads of 16, float32
     block = kv_bytes_per_block(engine_config(path), 5, 4)
