@@ -94,7 +94,7 @@ def bench_parallel(model: str, configs: list[tuple[int, int]], dispatch_modes: l
     runs = []
     for tp, pp in configs:
         for dispatch in (dispatch_modes if tp * pp > 1 else ["remote"]):
-            for steps in (in_flight if pp > 1 and dispatch == "remote" else (0,)):
+            for steps in (in_flight if pp > 1 else (0,)):
                 runs.append(run_one(model, tp, pp, dispatch, workload, steps))
     reference = runs[0].pop("token_ids")
     same = all(r.pop("token_ids") == reference for r in runs[1:])

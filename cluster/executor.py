@@ -23,10 +23,7 @@ class RayExecutor(Executor):
         self.config = config
         self._placement = {"placement_group": placement_group, "first_bundle": first_bundle}
         self.group = WorkerGroup(config, **self._placement, actors=ranks)
-        parallel = config.parallel
-        if parallel.pipeline_parallel_size > 1 and parallel.tp_dispatch == "remote":
-            # each stage busy with a step of its own (a compiled graph runs one execution at a time here)
-            self.max_steps_in_flight = parallel.batches_in_flight or parallel.pipeline_parallel_size
+        self.max_steps_in_flight = config.parallel.steps_in_flight
         self.num_blocks: int | None = None
         self.num_restarts = 0
         self._kv_cache_info: dict = {}

@@ -97,6 +97,13 @@ class PipelineTimes:
         return {"steps": self.steps, "stage_compute_s": list(self.compute_s), "stage_wait_s": list(self.wait_s)}
 
 
+@dataclasses.dataclass(frozen=True)
+class _CompiledStep:
+    """A step sent through the compiled graph (its output, to be read in the order sent)."""
+
+    ref: object
+
+
 class WorkerGroup:
     """``placement_group``/``first_bundle``: place the ranks in bundles [first_bundle, first_bundle + tp)
     of a group someone else owns (a Serve replica's); by default the group makes and owns its own.
@@ -129,6 +136,7 @@ class WorkerGroup:
             raise ValueError(f"{len(actors)} rank actors given for {self.num_ranks} ranks")
         self.actors = list(actors) if actors is not None else spawn_ranks(self.config, placement_group, first_bundle)
         self.dispatch = config.parallel.tp_dispatch
+        self.max_in_flight = config.parallel.steps_in_flight
         self._compiled = None
         try:
             init_method = ray.get(self.actors[0].rendezvous_address.remote())
@@ -181,16 +189,20 @@ class WorkerGroup:
         self._call_all("initialize_kv_cache", num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.dispatch == "compiled":
-            return self._answer(self._execute_compiled(scheduler_output))
         return self.collect(self.submit(scheduler_output))
 
-    def submit(self, scheduler_output: SchedulerOutput) -> list:
-        """Send a step to every rank without waiting (each rank runs its steps in the order sent)."""
+    def submit(self, scheduler_output: SchedulerOutput):
+        """Send a step to every rank without waiting (each rank runs its steps in the order sent): one
+        actor call per rank, or one execution of the compiled graph (whose channels hold as many
+        executions as may be in flight)."""
+        if self.dispatch == "compiled":
+            return _CompiledStep(self._graph().execute(scheduler_output))
         return [a.execute_model.remote(scheduler_output) for a in self.actors]
 
-    def collect(self, refs: list) -> ModelRunnerOutput:
-        return self._answer(self._wait_all(refs))
+    def collect(self, handle) -> ModelRunnerOutput:
+        if isinstance(handle, _CompiledStep):
+            return self._answer(self._get_compiled(handle.ref))
+        return self._answer(self._wait_all(handle))
 
     def _answer(self, results: list) -> ModelRunnerOutput:
         """The sampling rank's output; the stages' timings summed."""
@@ -199,17 +211,22 @@ class WorkerGroup:
             self.pipeline.add([results[r] for r in self.stage_ranks[:-1]], output)
         return output
 
-    def _execute_compiled(self, scheduler_output: SchedulerOutput) -> list:
-        """The same step through a Ray Compiled Graph (shared-memory channels, no per-call task): every
-        rank's answer."""
+    def _graph(self):
+        """The Ray Compiled Graph of a step (shared-memory channels, no per-call task), compiled at the
+        first step: the plan in, every rank's answer out."""
         if self._compiled is None:
             from ray.dag import InputNode, MultiOutputNode
 
             with InputNode() as plan:
                 dag = MultiOutputNode([a.execute_model.bind(plan) for a in self.actors])
-            self._compiled = dag.experimental_compile()
+            self._compiled = dag.experimental_compile(_max_inflight_executions=max(2, self.max_in_flight))
+        return self._compiled
+
+    def _get_compiled(self, ref) -> list:
+        """Every rank's answer to one execution of the compiled graph (executions are answered in the
+        order they were sent)."""
         try:
-            return ray.get(self._compiled.execute(scheduler_output), timeout=self.step_timeout_s)
+            return ray.get(ref, timeout=self.step_timeout_s)
         except Exception as exc:
             cause = raised_inside(exc)
             if cause is not None:  # every output arrived: the ranks are alive

@@ -61,6 +61,14 @@ class ParallelConfig:
         """Ranks of one engine: ``pipeline_parallel_size`` stages of ``tensor_parallel_size``."""
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps the engine keeps out at once: ``batches_in_flight``, by default one per pipeline stage
+        (each stage busy with a step of its own); one without pipeline parallelism."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.batches_in_flight or self.pipeline_parallel_size
+
     def stage_layers(self, num_layers: int) -> list[tuple[int, int]]:
         """Each stage's layers [start, end): ``pipeline_layer_split``, else as even as they go, the
         first stages taking one more where the count does not divide (the last one also runs the
@@ -91,7 +99,6 @@ def check_pipeline(parallel: ParallelConfig, model: ModelConfig) -> None:
                              f"{', '.join(sorted(PIPELINE_ARCHITECTURES))})")
     elif parallel.pipeline_layer_split is not None:
         parallel.stage_layers(model.hf_config["num_hidden_layers"])  # one stage: every layer
-    if (parallel.batches_in_flight or 1) > 1 and (parallel.pipeline_parallel_size == 1
-                                                  or parallel.tp_dispatch != "remote"):
+    if (parallel.batches_in_flight or 1) > 1 and parallel.pipeline_parallel_size == 1:
         raise ValueError(f"batches_in_flight={parallel.batches_in_flight} needs pipeline_parallel_size > 1 "
-                         f"and tp_dispatch='remote' (a step in flight per pipeline stage)")
+                         f"(a step in flight per pipeline stage)")

@@ -73,9 +73,14 @@ def test_configurations_refused_before_any_rank_starts(model_dirs, five_layers, 
         engine_config(five_layers[0], pipeline_parallel_size=2, pipeline_layer_split=[1, 3])
     with pytest.raises(ValueError, match=r"pipeline_layer_split \[4\] gives 4 layers; the model has 5"):
         engine_config(five_layers[0], pipeline_layer_split=[4])
-    for kwargs in (dict(batches_in_flight=2), dict(pipeline_parallel_size=2, tp_dispatch="compiled", batches_in_flight=2)):
-        with pytest.raises(ValueError, match="needs pipeline_parallel_size > 1 and tp_dispatch='remote'"):
-            engine_config(five_layers[0], **kwargs)
+    with pytest.raises(ValueError, match=r"batches_in_flight=2 needs pipeline_parallel_size > 1 \(a step in flight"):
+        engine_config(five_layers[0], batches_in_flight=2)
+    for dispatch in ("remote", "compiled"):
+        parallel = engine_config(five_layers[0], pipeline_parallel_size=2, tp_dispatch=dispatch).parallel
+        assert parallel.steps_in_flight == 2
+        assert engine_config(five_layers[0], pipeline_parallel_size=2, tp_dispatch=dispatch,
+                             batches_in_flight=3).parallel.steps_in_flight == 3
+    assert engine_config(five_layers[0], tensor_parallel_size=2).parallel.steps_in_flight == 1
     config = engine_config(five_layers[0], pipeline_parallel_size=2, tensor_parallel_size=2)
     assert config.parallel.world_size == 4
 
@@ -202,7 +207,7 @@ def test_a_second_stage_rank_killed_mid_run_changes_no_token(ray_cluster, five_l
 
 def test_bench_parallel_smoke_every_configuration_and_dispatch(ray_cluster, model_dirs):
     """`kvserve bench-parallel` smoke-sized: in-process, TP 2 and PP 2, each by actor calls (PP 2 with
-    one and two steps in flight) and by the compiled graph (one), the same tokens; under PP each
+    one and two steps in flight) and by the compiled graph (the same), the same tokens; under PP each
     stage's compute and wait per step (the last stage waits for the first)."""
     from benchmarks.parallel import bench_parallel, format_parallel_report, parse_config
 
@@ -212,7 +217,7 @@ def test_bench_parallel_smoke_every_configuration_and_dispatch(ray_cluster, mode
     assert report["same_tokens"] is True
     assert [(r["tp"], r["pp"], r["dispatch"], r["in_flight"]) for r in report["runs"]] == [
         (1, 1, "in-process", 1), (2, 1, "remote", 1), (2, 1, "compiled", 1), (1, 2, "remote", 1), (1, 2, "remote", 2),
-        (1, 2, "compiled", 1)]
+        (1, 2, "compiled", 1), (1, 2, "compiled", 2)]
     for run in report["runs"]:
         assert run["startup_s"] > 0 and run["output_tokens_per_s"] > 0
         assert 0 <= run["dispatch_us_median"] <= run["dispatch_us_p90"]
@@ -222,6 +227,7 @@ def test_bench_parallel_smoke_every_configuration_and_dispatch(ray_cluster, mode
             assert len(compute) == len(wait) == 2 and min(compute) > 0
             assert wait[0] == 0 and wait[1] > 0  # the first stage waits for nothing; the last for the first
     assert "| 1 | 2 | compiled | 1 |" in format_parallel_report(report)
+    assert "| 1 | 2 | compiled | 2 |" in format_parallel_report(report)
 
 
 def test_a_stages_ranks_take_bundles_of_one_node():
@@ -250,15 +256,18 @@ def count_in_flight(llm) -> list[int]:
     return counts
 
 
-def test_two_steps_in_flight_by_default_one_when_asked(ray_cluster, five_layers):
-    """PP 2 keeps a step in each stage (the default, one per stage); batches_in_flight=1 sends one at a
-    time. The tokens are the same, and every block comes back."""
+@pytest.mark.parametrize("dispatch", ["remote", "compiled"])
+def test_two_steps_in_flight_by_default_one_when_asked(ray_cluster, five_layers, dispatch):
+    """PP 2 keeps a step in each stage (the default, one per stage), by actor calls or through the
+    compiled graph's channels; batches_in_flight=1 sends one at a time. The tokens are the same, and
+    every block comes back."""
     path, oracle = five_layers
     prompts = make_prompts(path)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     runs = {}
     for in_flight in (None, 1):
-        with LLM(model=path, pipeline_parallel_size=2, batches_in_flight=in_flight, num_kv_blocks=256) as llm:
+        with LLM(model=path, pipeline_parallel_size=2, batches_in_flight=in_flight, num_kv_blocks=256,
+                 tp_dispatch=dispatch) as llm:
             counts = count_in_flight(llm)
             runs[in_flight] = generate(llm, prompts, params)
             stats = llm.stats()
@@ -269,7 +278,8 @@ def test_two_steps_in_flight_by_default_one_when_asked(ray_cluster, five_layers)
         oracle.assert_greedy(prompt, out)
 
 
-def test_a_request_that_raises_with_steps_in_flight_fails_alone(ray_cluster, five_layers):
+@pytest.mark.parametrize("dispatch", ["remote", "compiled"])
+def test_a_request_that_raises_with_steps_in_flight_fails_alone(ray_cluster, five_layers, dispatch):
     """A request whose stop ids were changed after admission (past the vocabulary) makes the last
     stage's sampler raise while another step is in flight: the steps out are drained, the ranks rebuilt
     and the running requests recomputed; steps then run one at a time, where the request fails alone.
@@ -279,7 +289,7 @@ def test_a_request_that_raises_with_steps_in_flight_fails_alone(ray_cluster, fiv
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with LLM(model=path, num_kv_blocks=256) as reference:
         expected = generate(reference, prompts, params)
-    with LLM(model=path, pipeline_parallel_size=2, num_kv_blocks=256) as llm:
+    with LLM(model=path, pipeline_parallel_size=2, num_kv_blocks=256, tp_dispatch=dispatch) as llm:
         core = llm.core
         counts = count_in_flight(llm)
         for i, prompt in enumerate(prompts):
