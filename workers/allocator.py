@@ -20,7 +20,9 @@ touches of a VM's memory are slow), the largest part of a rank's start and so of
 ``prefault_in_background`` then maps its pages from a daemon thread under SCHED_IDLE
 (``MADV_POPULATE_WRITE``, which never changes what a page holds, so it can run while the engine
 writes KV): the pool becomes resident on cores that would otherwise idle, as a zeroed one would be
-at start, without the start or the steps waiting for it.
+at start, without the start or the steps waiting for it. Where huge pages map slowly (memory a VM's
+host has not backed yet: ten times slower than recycled 4 KiB pages), the thread advises the rest of
+the pool off them and it maps in 4 KiB pages (``prefault_in_background``'s ``min_huge_rate``).
 """
 
 from __future__ import annotations
@@ -32,14 +34,20 @@ import logging
 import mmap
 import os
 import threading
+import time
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 PREFAULT_CHUNK = 2 << 20
+# huge pages of a pool are kept while its chunks map at least this fast: warm memory maps
+# 2 MiB pages at ~3 GiB/s on the 2-core VM, memory its host has not yet backed at ~0.3 GiB/s (4 KiB
+# pages of either at ~4.5 GiB/s)
+HUGE_PAGE_MIN_RATE = 1 << 30
 HUGE_PAGE = 2 << 20
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
@@ -127,13 +135,25 @@ def prefault_chunks(start: int, end: int, regions: int = 1, chunk: int = PREFAUL
     return pieces
 
 
-def prefault_in_background(tensor: torch.Tensor, name: str = "kv-prefault", regions: int = 1) -> threading.Thread | None:
+def prefault_in_background(tensor: torch.Tensor, name: str = "kv-prefault", regions: int = 1,
+                           min_huge_rate: float | None = None) -> threading.Thread | None:
     """Map every page of ``tensor`` from a daemon thread, a chunk at a time, without writing to it;
     None where the kernel cannot (before 5.14) and the pages are mapped as they are first touched.
     ``regions``: the tensor is that many equal parts (a KV pool: one per layer and K or V, each
     indexed by block id), mapped side by side, chunk k of every part before chunk k + 1 of any: in the
     order the pool hands blocks out (low ids first), so the steps meet mapped pages sooner than if
-    the last layer's came last."""
+    the last layer's came last.
+
+    ``min_huge_rate`` (bytes per second of the thread's CPU time): once a chunk maps slower, the tensor
+    is advised off huge pages (``MADV_NOHUGEPAGE``; those mapped stay), so that the rest maps in 4 KiB
+    pages. Why: a 2 MiB page is zeroed and mapped whole on first touch, and where a virtual machine's
+    host backs guest memory only when first used, the huge pages the guest hands out once its recently
+    freed ones are gone are memory never used before: on the 2-core VM a huge-advised 1 GiB took 3.1 s
+    to touch the first time in a process and 0.34 s the second, while 4 KiB pages (recycled warm ones)
+    took 0.2 s. A pool mapped at that pace slowed the steps running beside the thread up to 1.7x (PP 2
+    prefill, each stage's pool mapping through the run), though the thread ran under SCHED_IDLE; and
+    the steps' own first touches of it cost a caching-on prefill a third of its time. Where memory maps
+    fast the huge pages stay (long-context decode ran 3-4% faster on them)."""
     madvise = _libc_madvise()
     if not madvise or tensor.device.type != "cpu":
         return None
@@ -143,11 +163,21 @@ def prefault_in_background(tensor: torch.Tensor, name: str = "kv-prefault", regi
 
     def run() -> None:
         _lowest_priority()  # runs where the cores would idle: the start and the steps do not wait for it
+        huge = min_huge_rate is not None
         for address, length in pieces:
+            began = time.thread_time()  # this thread's CPU time: the waits for a core left out
             if madvise(address, length, MADV_POPULATE_WRITE) != 0:
                 logger.debug("MADV_POPULATE_WRITE refused (errno %d): pages map on first touch",
                              ctypes.get_errno())
                 return
+            spent = time.thread_time() - began
+            if huge and length >= HUGE_PAGE and length > min_huge_rate * spent:
+                continue
+            if huge and length >= HUGE_PAGE:
+                huge = False
+                madvise(start, end - start, MADV_NOHUGEPAGE)
+                logger.info("%s: huge pages mapped at %.2f GiB/s (memory new to this machine's host): "
+                            "the rest maps in 4 KiB pages", name, length / max(spent, 1e-9) / (1 << 30))
 
     thread = threading.Thread(target=run, name=name, daemon=True)  # ctypes calls release the GIL
     thread.start()

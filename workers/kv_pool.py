@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_quant import pool_dtype_and_width, row_bytes
-from workers.allocator import prefault_in_background, zeroed_mapping
+from workers.allocator import HUGE_PAGE_MIN_RATE, prefault_in_background, zeroed_mapping
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,13 @@ def allocate_kv_pool(spec: KVPoolSpec, num_blocks: int, device: torch.device, *,
                      prefault: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zero-filled pools (zeros, not garbage: masked attention still multiplies the null block); on CPU
     fresh anonymous memory, backed by huge pages where the kernel allows, its pages mapped by a
-    background thread with ``prefault`` (``workers.allocator``)."""
+    background thread with ``prefault`` (``workers.allocator``), which keeps huge pages only while they
+    map fast."""
     shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
     if device.type == "cpu":
         pool = zeroed_mapping(shape, spec.pool_dtype)
         if prefault:  # block-id order across the layers' parts: as the pool hands blocks out
-            prefault_in_background(pool, regions=spec.num_layers * 2)
+            prefault_in_background(pool, regions=spec.num_layers * 2, min_huge_rate=HUGE_PAGE_MIN_RATE)
     else:
         pool = torch.zeros(shape, dtype=spec.pool_dtype, device=device)
     return [(pool[layer, 0], pool[layer, 1]) for layer in range(spec.num_layers)]

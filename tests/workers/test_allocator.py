@@ -144,6 +144,42 @@ def test_the_kv_pool_mapping_is_zeroed_untouched_and_prefaulted_in_place():
         assert int(huge_kb) >= 126 * 1024
 
 
+SLOW_HUGE_PROBE = """
+import sys, torch
+from workers.allocator import prefault_in_background, zeroed_mapping
+
+def anon_huge_kb():
+    return int(open("/proc/self/smaps_rollup").read().split("AnonHugePages:")[1].split()[0])
+
+def rss_kb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1])
+
+rate = float(sys.argv[1])
+huge, rss = anon_huge_kb(), rss_kb()
+pool = zeroed_mapping((8, 16 << 20), torch.uint8)  # 128 MiB: eight parts of 16 MiB
+thread = prefault_in_background(pool, regions=8, min_huge_rate=rate)
+thread.join(timeout=120)
+print(anon_huge_kb() - huge, rss_kb() - rss, int(pool.sum()), thread.is_alive())
+"""
+
+
+def test_a_pool_whose_huge_pages_map_slowly_maps_the_rest_in_small_pages():
+    """Memory new to a VM's host maps huge pages ten times slower than small ones: once a 2 MiB chunk
+    maps slower than ``min_huge_rate`` the rest of the pool is advised off huge pages (the chunk
+    already mapped stays huge). A rate no chunk misses (0) keeps every huge page. Either way the whole
+    pool becomes resident, zeros."""
+    runs = {}
+    for rate in ("1e18", "0"):  # every chunk too slow / none
+        out = subprocess.run([sys.executable, "-c", SLOW_HUGE_PROBE, rate], capture_output=True, text=True, check=True)
+        huge_kb, resident_kb, total, alive = out.stdout.split()
+        assert total == "0" and alive == "False"
+        assert int(resident_kb) >= 127 * 1024  # all 128 MiB mapped
+        runs[rate] = int(huge_kb)
+    assert runs["1e18"] <= 2 * 1024  # the first chunk only
+    if "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+        assert runs["0"] >= 126 * 1024
+
+
 def test_the_prefault_maps_the_parts_of_a_pool_side_by_side_and_misses_no_page():
     from workers.allocator import prefault_chunks
 
