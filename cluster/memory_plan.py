@@ -55,11 +55,11 @@ class RankMemory:
 
 
 @functools.lru_cache(maxsize=256)
-def _header_numels(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, int], ...]:
+def _header_numels(path: str, size: int, mtime_ns: int, inode: int) -> tuple[tuple[str, int], ...]:
     """Each tensor's element count from a safetensors file's header (its first bytes only); cached by
-    the file's path, size and modification time, so that the plans of one start (the refusal check, the
-    replicas' check and the bundle size, each over every rank) read a header once and a rewritten
-    checkpoint is read again."""
+    the file's path, size, modification time and inode, so that the plans of one start (the refusal
+    check, the replicas' check and the bundle size, each over every rank) read a header once and a
+    rewritten checkpoint is read again."""
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
@@ -68,7 +68,7 @@ def _header_numels(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, int]
 
 def _safetensors_numels(path: Path) -> dict[str, int]:
     stat = path.stat()
-    return dict(_header_numels(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
+    return dict(_header_numels(str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino))
 
 
 def checkpoint_numels(model_dir: str | Path) -> dict[str, int]:

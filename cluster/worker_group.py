@@ -17,6 +17,7 @@ wait in a collective the raising rank left), the group is wedged and counts as f
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import ray
@@ -46,9 +47,9 @@ def raised_inside(exc: BaseException) -> BaseException | None:
     return None
 
 
-def step_failed(cause: BaseException) -> StepFailedError:
+def step_failed(cause: BaseException, ranks_stuck: bool = False) -> StepFailedError:
     message = str(cause).strip().splitlines()
-    return StepFailedError(type(cause).__name__, message[0][:200] if message else "")
+    return StepFailedError(type(cause).__name__, message[0][:200] if message else "", ranks_stuck)
 
 
 def rank_config(config: EngineConfig) -> EngineConfig:
@@ -97,11 +98,13 @@ class PipelineTimes:
         return {"steps": self.steps, "stage_compute_s": list(self.compute_s), "stage_wait_s": list(self.wait_s)}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _CompiledStep:
-    """A step sent through the compiled graph (its output, to be read in the order sent)."""
+    """A step sent through the compiled graph: one output per rank, read once, in the order the steps
+    were sent (``reading``: a read under way, which an interruption leaves set, its answers lost)."""
 
-    ref: object
+    refs: list
+    reading: bool = False
 
 
 class WorkerGroup:
@@ -168,9 +171,25 @@ class WorkerGroup:
                 raise WorkerFailedError(f"ranks {sorted(refs.index(r) for r in pending)} did not finish a "
                                         f"call within {self.step_timeout_s:g}s")
 
+    def _waiting_for_a_stage_that_raised(self, refs: list, ready: list, pending: list) -> bool:
+        """Every rank that has not answered is in a later pipeline stage than a rank that raised."""
+        tp = self.config.parallel.tensor_parallel_size
+        raised = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayError as exc:
+                if raised_inside(exc) is not None:
+                    raised.append(refs.index(ref) // tp)
+        return bool(raised) and min(refs.index(r) // tp for r in pending) > min(raised)
+
     def _after_raise(self, refs: list, cause: BaseException):
         """A rank raised: the group is sound if every other rank answers (each alive); else wedged."""
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=RAISED_GRACE_S)
+        if pending and self._waiting_for_a_stage_that_raised(refs, ready, pending):
+            # a stage raised before it sent its activations: the later stages wait for them (until
+            # gloo's timeout) but are sound; the step failed, and the ranks must be rebuilt to go on
+            raise step_failed(cause, ranks_stuck=True)
         if pending:
             raise WorkerFailedError(f"a tensor-parallel rank raised {type(cause).__name__} and ranks "
                                     f"{sorted(refs.index(r) for r in pending)} did not finish the call")
@@ -196,12 +215,12 @@ class WorkerGroup:
         actor call per rank, or one execution of the compiled graph (whose channels hold as many
         executions as may be in flight)."""
         if self.dispatch == "compiled":
-            return _CompiledStep(self._graph().execute(scheduler_output))
+            return _CompiledStep(list(self._graph().execute(scheduler_output)))
         return [a.execute_model.remote(scheduler_output) for a in self.actors]
 
     def collect(self, handle) -> ModelRunnerOutput:
         if isinstance(handle, _CompiledStep):
-            return self._answer(self._get_compiled(handle.ref))
+            return self._answer(self._get_compiled(handle))
         return self._answer(self._wait_all(handle))
 
     def _answer(self, results: list) -> ModelRunnerOutput:
@@ -219,19 +238,30 @@ class WorkerGroup:
 
             with InputNode() as plan:
                 dag = MultiOutputNode([a.execute_model.bind(plan) for a in self.actors])
-            self._compiled = dag.experimental_compile(_max_inflight_executions=max(2, self.max_in_flight))
+            # as many executions out as the engine keeps in flight (Ray's channels then hold one
+            # buffer per execution; its default would be 10)
+            self._compiled = dag.experimental_compile(_max_inflight_executions=self.max_in_flight)
         return self._compiled
 
-    def _get_compiled(self, ref) -> list:
+    def _get_compiled(self, step: _CompiledStep) -> list:
         """Every rank's answer to one execution of the compiled graph (executions are answered in the
-        order they were sent)."""
+        order they were sent). RuntimeError where an earlier read of it was interrupted: its answers
+        can be read once, so they are lost, and the engine rebuilds the ranks (not held against the
+        restart budget). A stage that raised before sending its activations leaves the later stages
+        waiting until gloo's timeout (``KVSERVE_DIST_TIMEOUT_S``) here: only actor calls tell that
+        case apart (``_after_raise``)."""
+        if step.reading:
+            raise RuntimeError("a step's answer from the compiled graph was lost: its read was interrupted")
+        step.reading = True
         try:
-            return ray.get(ref, timeout=self.step_timeout_s)
+            results = ray.get(step.refs, timeout=self.step_timeout_s)
         except Exception as exc:
             cause = raised_inside(exc)
             if cause is not None:  # every output arrived: the ranks are alive
                 raise step_failed(cause) from cause
             raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
+        step.reading = False
+        return results
 
     def kv_cache_info(self) -> list[dict]:
         return self._call_all("kv_cache_info")
@@ -241,16 +271,28 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         try:
+            if self._compiled is not None:  # the ranks' graph loops end, so they take the calls below
+                self._compiled.teardown()
+                self._compiled = None
             ray.wait([a.shutdown.remote() for a in self.actors], num_returns=len(self.actors), timeout=10)
         finally:
             self.kill()
 
     def kill(self) -> None:
-        if self._compiled is not None:
-            self._compiled.teardown()
-            self._compiled = None
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
+        if self._compiled is not None:
+            # after the ranks are gone: a teardown before would wait for a step stuck in a rank (a
+            # stage waiting for activations that never come); once torn down, a step the engine
+            # dropped no longer waits for its answer. Its calls to the dead ranks fail, as expected.
+            quiet = logging.getLogger("ray.dag.compiled_dag_node")
+            level = quiet.level
+            quiet.setLevel(logging.CRITICAL)
+            try:
+                self._compiled.teardown()
+            finally:
+                quiet.setLevel(level)
+            self._compiled = None
         if self.owns_placement_group:
             remove_placement_group(self.placement_group)

@@ -280,18 +280,20 @@ class EngineCore(PipelinedSteps, StepFailures):
             self._recover(exc)
             return []
         except BaseException as exc:
+            outputs: list[RequestOutput] = []
             with self.lock:
                 # nothing of the step is kept: not its tokens, not the prefix-cache entries it planned
                 self.scheduler.rollback(scheduler_output)
                 if not isinstance(exc, Exception):
                     raise
-                broken = self._ranks_look_broken(scheduler_output, exc)
-                if broken is None:
-                    return []  # a probe runs next
-                if not broken:
-                    return self._isolate(scheduler_output, exc)
-            self._recover(WorkerFailedError(f"{self._failed_in_a_row} steps failed in a row with different requests"))
-            return []
+                broken = self._ranks_look_broken(scheduler_output, exc)  # None: a probe runs next
+                if broken is False:
+                    outputs = self._isolate(scheduler_output, exc)
+            if broken:
+                self._recover(WorkerFailedError(f"{self._failed_in_a_row} steps failed in a row with different requests"))
+            elif getattr(exc, "ranks_stuck", False):
+                self._restart_ranks(exc)
+            return outputs
         execute_wall = time.perf_counter() - execute_start
         request_outputs = self._step_ran(scheduler_output, runner_output, ran_alone=only is not None)
         self.timings.record(time.perf_counter() - start, runner_output.forward_time_s,

@@ -21,11 +21,15 @@ class WorkerFailedError(RuntimeError):
 
 class StepFailedError(RuntimeError):
     """A step raised inside a rank, and every rank is alive and answered: the ranks need no
-    rebuild, the step is rolled back. ``kind`` names the exception the rank raised."""
+    rebuild, the step is rolled back. ``kind`` names the exception the rank raised.
+    ``ranks_stuck``: a pipeline stage raised before sending its activations, and the later stages
+    still wait for them: the ranks are sound but must be rebuilt (not held against the restart
+    budget) before the next step."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, ranks_stuck: bool = False) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
+        self.ranks_stuck = ranks_stuck
 
 
 class Executor(ABC):

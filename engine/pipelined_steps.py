@@ -20,7 +20,9 @@ instead): the ranks are rebuilt at once (the steps out dropped, not waited for) 
 request recomputed, as for a lost rank but not held against ``max_worker_restarts``; steps then run one
 at a time for ``SERIAL_STEPS_AFTER_FAILURE`` steps, where the one-step machinery
 (``engine.step_failures``) finds a request at fault and fails it alone. An interruption
-(KeyboardInterrupt) leaves the steps out as they are: the next call collects them in order.
+(KeyboardInterrupt) leaves the steps out as they are: the next call collects them in order (through
+a compiled graph, whose answers can be read once, the interrupted step's answer is lost and the next
+call rebuilds the ranks as for a step that raised).
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ class PipelinedSteps:
         """Drop the steps out and rebuild the ranks (``_recover``: every running request recomputed); a
         lost rank is held against the restart budget, a step that raised is not, and is followed by
         steps one at a time. An interruption goes on once the engine is consistent."""
+        # held until the ranks are rebuilt: a compiled graph's step dropped before its graph is torn
+        # down waits for its answer, which a stuck stage never gives
+        dropped = list(self._in_flight)
         self._in_flight.clear()
         if isinstance(exc, WorkerFailedError):
             self._recover(exc)
@@ -99,5 +104,6 @@ class PipelinedSteps:
             self._serial_until = self.timings.num_steps + self.SERIAL_STEPS_AFTER_FAILURE
             self._recover(WorkerFailedError(f"a step raised {type(exc).__name__} with other steps in flight"),
                           budgeted=False)
+        del dropped
         if not isinstance(exc, Exception):
             raise exc

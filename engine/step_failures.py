@@ -216,6 +216,16 @@ class StepFailures:
             time.sleep(cfg.worker_restart_backoff_s * 2 ** (recent - 1))
         if budgeted:
             self._restart_times.append(time.monotonic())
+        self._restart_ranks()
+
+    def _restart_ranks(self, stuck: Exception | None = None) -> None:
+        """Replace the ranks and recompute every running request. ``stuck``: a step that raised in a
+        pipeline stage before it sent its activations (``StepFailedError.ranks_stuck``), already rolled
+        back and counted by the search for the request at fault, which this leaves as it is; the
+        rebuild is not held against the restart budget."""
+        if stuck is not None:
+            logger.warning("a pipeline stage raised before sending its activations (%s); restarting the "
+                           "workers", stuck)
         self.num_worker_restarts += 1
         try:
             self.executor.restart()

@@ -21,7 +21,7 @@ touches of a VM's memory are slow), the largest part of a rank's start and so of
 (``MADV_POPULATE_WRITE``, which never changes what a page holds, so it can run while the engine
 writes KV): the pool becomes resident on cores that would otherwise idle, as a zeroed one would be
 at start, without the start or the steps waiting for it. Where huge pages map slowly (memory a VM's
-host has not backed yet: ten times slower than recycled 4 KiB pages), the thread advises the rest of
+host has not backed yet: about fifteen times slower than recycled 4 KiB pages), the thread advises the rest of
 the pool off them and it maps in 4 KiB pages (``prefault_in_background``'s ``min_huge_rate``).
 """
 
@@ -171,11 +171,10 @@ def prefault_in_background(tensor: torch.Tensor, name: str = "kv-prefault", regi
                              ctypes.get_errno())
                 return
             spent = time.thread_time() - began
-            if huge and length >= HUGE_PAGE and length > min_huge_rate * spent:
-                continue
-            if huge and length >= HUGE_PAGE:
+            if huge and length >= HUGE_PAGE and length <= min_huge_rate * spent:
                 huge = False
-                madvise(start, end - start, MADV_NOHUGEPAGE)
+                if madvise(start, end - start, MADV_NOHUGEPAGE) != 0:
+                    return  # pages map on first touch, huge where the kernel gives them
                 logger.info("%s: huge pages mapped at %.2f GiB/s (memory new to this machine's host): "
                             "the rest maps in 4 KiB pages", name, length / max(spent, 1e-9) / (1 << 30))
 

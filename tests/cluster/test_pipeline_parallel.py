@@ -308,3 +308,71 @@ def test_a_request_that_raises_with_steps_in_flight_fails_alone(ray_cluster, fiv
     assert [finals[str(i)] for i in range(len(prompts))] == expected
     assert stats["num_worker_restarts"] == 1 and stats["num_failed_requests"] == 1
     assert stats["num_blocks_in_use"] == 0 and stats["num_requests_running"] == 0
+
+
+def test_a_compiled_step_whose_read_was_interrupted_is_lost_not_a_dead_rank(monkeypatch):
+    """A compiled graph's answers can be read once: a read cut by an interruption (or a timeout) loses
+    them. Collecting that step again raises RuntimeError (the engine rebuilds the ranks, not held
+    against the budget), not the WorkerFailedError of a lost rank; a step read whole answers with the
+    sampling rank's output."""
+    import cluster.worker_group as worker_group
+    from cluster.worker_group import WorkerGroup, _CompiledStep
+    from engine.executor import WorkerFailedError
+
+    reads = []
+
+    def get(refs, timeout=None):
+        reads.append(refs)
+        if isinstance(refs[-1], BaseException):
+            raise refs[-1]
+        return refs
+
+    monkeypatch.setattr(worker_group.ray, "get", get)
+    group = object.__new__(WorkerGroup)
+    group.step_timeout_s, group.stage_ranks, group.output_rank = 5.0, [0, 1], 1
+    group.pipeline = type("Times", (), {"add": lambda self, *a: None})()
+    cut = _CompiledStep(["stage 0", KeyboardInterrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        group.collect(cut)
+    with pytest.raises(RuntimeError, match="its read was interrupted") as lost:
+        group.collect(cut)
+    assert not isinstance(lost.value, WorkerFailedError) and len(reads) == 1
+    assert group.collect(_CompiledStep(["stage 0", "answer"])) == "answer"
+    with pytest.raises(WorkerFailedError, match="a tensor-parallel rank failed"):
+        group.collect(_CompiledStep(["stage 0", TimeoutError("no answer")]))
+
+
+def test_a_first_stage_that_raises_before_sending_holds_nothing_up(ray_cluster, five_layers):
+    """A prompt token past the vocabulary (set after admission, where validation would have refused it)
+    makes the first stage's embedding raise before it sends its activations, so the second stage waits
+    for them (gloo's timeout here: 120 s). By actor calls (the default dispatch) the ranks are killed and
+    rebuilt at once, not held against the restart budget: the request fails alone, the others produce
+    the tokens of a run without it, well within that timeout. (Before, the stuck stage read as a dead
+    rank: three budgeted rebuilds, then the engine gave up. Through the compiled graph the stages
+    wait for gloo's timeout: ``WorkerGroup._get_compiled``.)"""
+    dispatch = "remote"
+    import time
+
+    path, _ = five_layers
+    prompts = make_prompts(path)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(model=path, num_kv_blocks=256) as reference:
+        expected = generate(reference, prompts, params)
+    with LLM(model=path, pipeline_parallel_size=2, num_kv_blocks=256, tp_dispatch=dispatch) as llm:
+        core = llm.core
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, params)
+        core.add_request("bad", prompts[1][::-1], params)  # no prefix shared with the others
+        core.scheduler.requests["bad#0"].all_token_ids[-1] = 10**6  # the last prompt token is always computed
+        began = time.monotonic()
+        finals, failed = {}, {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                if out.finished:
+                    finals[out.request_id], failed[out.request_id] = out.outputs[0].token_ids, out.error
+        took = time.monotonic() - began
+        stats = llm.stats()
+    assert failed["bad"] is not None and "IndexError" in failed["bad"]
+    assert [finals[str(i)] for i in range(len(prompts))] == expected
+    assert stats["num_blocks_in_use"] == 0 and stats["num_requests_running"] == 0
+    assert stats["num_failed_requests"] == 1 and took < 60
