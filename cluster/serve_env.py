@@ -32,6 +32,7 @@ command's environment). This module imports nothing heavy, so that costs no star
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import sys
@@ -77,7 +78,29 @@ def haproxy_found() -> bool:
     return shutil.which("haproxy") is not None
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections."""
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _free_port() -> str:
+    """A port free now, below the kernel's ephemeral range where it can: HAProxy binds it seconds later,
+    once Serve starts, and a port the kernel hands out for outgoing connections (Ray opens many) could
+    be taken by one in between (a suite run met "Address already in use" so)."""
+    low = _ephemeral_ports()[0]
+    rng = random.SystemRandom()
+    for _ in range(64 if low > 11000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return str(port)
     with socket.socket() as sock:
         sock.bind(("", 0))
         return str(sock.getsockname()[1])

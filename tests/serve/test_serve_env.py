@@ -33,6 +33,10 @@ def test_both_deployments_carry_serve_env_and_the_environment_wins(model_dirs, m
     assert os.environ[NODE_HEALTH] == "20"  # a local node's raylet may miss 20 health checks, not Ray's 5
     ports = [int(os.environ[key]) for key in HAPROXY_PORTS]
     assert len(set(ports)) == 2 and all(1024 <= port < 65536 for port in ports)
+    # below the kernel's range for outgoing connections, which could take a port before HAProxy binds it
+    from cluster.serve_env import _ephemeral_ports
+
+    assert all(10000 <= port < _ephemeral_ports()[0] for port in ports)
     monkeypatch.setenv("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "1")
     app = serve_app.build_app({"model": model_dirs["llama"]})
     assert _env_vars(app._bound_deployment)["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "1"
