@@ -171,35 +171,27 @@ class WorkerGroup:
                 raise WorkerFailedError(f"ranks {sorted(refs.index(r) for r in pending)} did not finish a "
                                         f"call within {self.step_timeout_s:g}s")
 
-    def _waiting_for_a_stage_that_raised(self, refs: list, ready: list, pending: list) -> bool:
-        """Every rank that has not answered is in a later pipeline stage than a rank that raised."""
-        tp = self.config.parallel.tensor_parallel_size
-        raised = []
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except RayError as exc:
-                if raised_inside(exc) is not None:
-                    raised.append(refs.index(ref) // tp)
-        return bool(raised) and min(refs.index(r) // tp for r in pending) > min(raised)
-
     def _after_raise(self, refs: list, cause: BaseException):
-        """A rank raised: the group is sound if every other rank answers (each alive); else wedged."""
+        """A rank raised: the group is sound if every other rank answers (each alive); else wedged,
+        unless every rank that has not answered is in a later pipeline stage than one that raised."""
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=RAISED_GRACE_S)
-        if pending and self._waiting_for_a_stage_that_raised(refs, ready, pending):
-            # a stage raised before it sent its activations: the later stages wait for them (until
-            # gloo's timeout) but are sound; the step failed, and the ranks must be rebuilt to go on
-            raise step_failed(cause, ranks_stuck=True)
-        if pending:
-            raise WorkerFailedError(f"a tensor-parallel rank raised {type(cause).__name__} and ranks "
-                                    f"{sorted(refs.index(r) for r in pending)} did not finish the call")
+        tp = self.config.parallel.tensor_parallel_size
+        raised_stages = []
         for ref in ready:
             try:
                 ray.get(ref)
             except RayError as exc:
                 if raised_inside(exc) is None:
                     raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
-        raise step_failed(cause) from cause
+                raised_stages.append(refs.index(ref) // tp)
+        if not pending:
+            raise step_failed(cause) from cause
+        if raised_stages and min(refs.index(r) // tp for r in pending) > min(raised_stages):
+            # a stage raised before it sent its activations: the later stages wait for them (until
+            # gloo's timeout) but are sound; the step failed, and the ranks must be rebuilt to go on
+            raise step_failed(cause, ranks_stuck=True) from cause
+        raise WorkerFailedError(f"a tensor-parallel rank raised {type(cause).__name__} and ranks "
+                                f"{sorted(refs.index(r) for r in pending)} did not finish the call")
 
     def determine_num_kv_blocks(self) -> int:
         return min(self._call_all("determine_num_kv_blocks"))

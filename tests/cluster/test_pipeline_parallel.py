@@ -244,6 +244,16 @@ def test_a_stages_ranks_take_bundles_of_one_node():
     assert stage_bundles(["x", "y", "x", "y", "y", "x"], tp=3, pp=2) == [0, 2, 5, 1, 3, 4]
 
 
+def run_to_the_end(core) -> tuple[dict, dict]:
+    """Step the engine until every request finished: each request's final tokens and error."""
+    finals, failed = {}, {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                finals[out.request_id], failed[out.request_id] = out.outputs[0].token_ids, out.error
+    return finals, failed
+
+
 def count_in_flight(llm) -> list[int]:
     """How many steps were out each time one was sent."""
     counts, submit = [], llm.core.executor.submit
@@ -297,11 +307,7 @@ def test_a_request_that_raises_with_steps_in_flight_fails_alone(ray_cluster, fiv
         bad = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, min_tokens=5)
         core.add_request("bad", prompts[1], bad)
         bad.stop_token_ids = [10**6]  # after admission: what validation would have refused
-        finals, failed = {}, {}
-        while core.has_unfinished_requests():
-            for out in core.step():
-                if out.finished:
-                    finals[out.request_id], failed[out.request_id] = out.outputs[0].token_ids, out.error
+        finals, failed = run_to_the_end(core)
         stats = llm.stats()
     assert max(counts) == 2
     assert failed["bad"] == "the engine failed while running this request (IndexError)"
@@ -350,7 +356,6 @@ def test_a_first_stage_that_raises_before_sending_holds_nothing_up(ray_cluster, 
     the tokens of a run without it, well within that timeout. (Before, the stuck stage read as a dead
     rank: three budgeted rebuilds, then the engine gave up. Through the compiled graph the stages
     wait for gloo's timeout: ``WorkerGroup._get_compiled``.)"""
-    dispatch = "remote"
     import time
 
     path, _ = five_layers
@@ -358,18 +363,14 @@ def test_a_first_stage_that_raises_before_sending_holds_nothing_up(ray_cluster, 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with LLM(model=path, num_kv_blocks=256) as reference:
         expected = generate(reference, prompts, params)
-    with LLM(model=path, pipeline_parallel_size=2, num_kv_blocks=256, tp_dispatch=dispatch) as llm:
+    with LLM(model=path, pipeline_parallel_size=2, num_kv_blocks=256) as llm:
         core = llm.core
         for i, prompt in enumerate(prompts):
             core.add_request(str(i), prompt, params)
         core.add_request("bad", prompts[1][::-1], params)  # no prefix shared with the others
         core.scheduler.requests["bad#0"].all_token_ids[-1] = 10**6  # the last prompt token is always computed
         began = time.monotonic()
-        finals, failed = {}, {}
-        while core.has_unfinished_requests():
-            for out in core.step():
-                if out.finished:
-                    finals[out.request_id], failed[out.request_id] = out.outputs[0].token_ids, out.error
+        finals, failed = run_to_the_end(core)
         took = time.monotonic() - began
         stats = llm.stats()
     assert failed["bad"] is not None and "IndexError" in failed["bad"]
