@@ -31,7 +31,7 @@ from cluster.ray_env import cluster_has_gpus
 from cluster.scheduler_actor import task_events_enabled
 from cluster.worker_actor import WorkerActor
 from engine.config import EngineConfig
-from engine.executor import StepFailedError, WorkerFailedError
+from engine.executor import StepFailedError, UpstreamStageFailed, WorkerFailedError
 from engine.messages import ModelRunnerOutput, SchedulerOutput, StageTiming
 
 POLL_S = 1.0  # how often a step waiting on the ranks checks whether one of them has died
@@ -173,16 +173,20 @@ class WorkerGroup:
 
     def _after_raise(self, refs: list, cause: BaseException):
         """A rank raised: the group is sound if every other rank answers (each alive); else wedged,
-        unless every rank that has not answered is in a later pipeline stage than one that raised."""
+        unless every rank that has not answered is in a later pipeline stage than one that raised. The
+        step's cause is the first rank's error that is not a later stage's ``UpstreamStageFailed``."""
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=RAISED_GRACE_S)
         tp = self.config.parallel.tensor_parallel_size
         raised_stages = []
-        for ref in ready:
+        for ref in sorted(ready, key=refs.index):
             try:
                 ray.get(ref)
             except RayError as exc:
-                if raised_inside(exc) is None:
+                inner = raised_inside(exc)
+                if inner is None:
                     raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
+                if isinstance(cause, UpstreamStageFailed) and not isinstance(inner, UpstreamStageFailed):
+                    cause = inner  # the stage where the step failed, not one that was told so
                 raised_stages.append(refs.index(ref) // tp)
         if not pending:
             raise step_failed(cause) from cause
@@ -239,9 +243,9 @@ class WorkerGroup:
         """Every rank's answer to one execution of the compiled graph (executions are answered in the
         order they were sent). RuntimeError where an earlier read of it was interrupted: its answers
         can be read once, so they are lost, and the engine rebuilds the ranks (not held against the
-        restart budget). A stage that raised before sending its activations leaves the later stages
-        waiting until gloo's timeout (``KVSERVE_DIST_TIMEOUT_S``) here: only actor calls tell that
-        case apart (``_after_raise``)."""
+        restart budget). A stage that raised before sending its activations has told the later stages
+        (``UpstreamStageFailed``): every rank answers, and the answers are read in rank order, so the
+        error raised is the earliest stage's."""
         if step.reading:
             raise RuntimeError("a step's answer from the compiled graph was lost: its read was interrupted")
         step.reading = True

@@ -22,14 +22,20 @@ class WorkerFailedError(RuntimeError):
 class StepFailedError(RuntimeError):
     """A step raised inside a rank, and every rank is alive and answered: the ranks need no
     rebuild, the step is rolled back. ``kind`` names the exception the rank raised.
-    ``ranks_stuck``: a pipeline stage raised before sending its activations, and the later stages
-    still wait for them: the ranks are sound but must be rebuilt (not held against the restart
-    budget) before the next step."""
+    ``ranks_stuck``: a pipeline stage raised before it could tell the later stages (which is where
+    ``UpstreamStageFailed`` comes from), and they still wait for its activations: the ranks are sound but
+    must be rebuilt (not held against the restart budget) before the next step."""
 
     def __init__(self, kind: str, message: str, ranks_stuck: bool = False) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.ranks_stuck = ranks_stuck
+
+
+class UpstreamStageFailed(RuntimeError):
+    """Raised by a pipeline stage whose previous stage failed the step before sending its activations
+    (``workers.parallel_state.PipelineStage``): this stage ran nothing of the step; that stage's error
+    is the step's cause."""
 
 
 class Executor(ABC):

@@ -47,6 +47,8 @@ class ModelRunner:
         # under pipeline parallelism this rank's stage of the layers; the last stage's first rank samples
         self.stage = stage or PipelineStage.whole(num_layers)
         self.samples = self.stage.is_last and tp.is_first_rank
+        # this step's message from the previous stage is being read, its activations sent on (Worker.execute_model)
+        self.received = self.handed_over = False
         self.device = device
         self.dtype = dtype
         self.block_size = config.cache.block_size
@@ -199,7 +201,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | StageTiming | None:
         """The step's output on the sampling rank; under pipeline parallelism a stage's timing on the
-        first rank of every stage before the last; None elsewhere."""
+        first rank of every stage before the last; None elsewhere. ``received`` and ``handed_over`` are
+        set as a stage starts reading the previous stage's message and sending its activations on
+        (``Worker.execute_model`` keeps the links in step when the step fails before either)."""
         start = time.perf_counter()
         stage_wait = 0.0
         self.batch.update(scheduler_output)
@@ -218,12 +222,14 @@ class ModelRunner:
         else:
             intermediate = None
             if not self.stage.is_first:  # the previous stage's (hidden, residual)
+                self.received = True
                 intermediate = self.stage.recv(self._intermediate_shape(len(batch.input_ids)), self.dtype,
                                                self.device)
                 stage_wait = time.perf_counter() - forward_start
             hidden = self._forward(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta, intermediate)
             if not self.stage.is_last:
                 compute = time.perf_counter() - forward_start - stage_wait
+                self.handed_over = True
                 self.stage.send(hidden)
                 return StageTiming(self.stage.rank, stage_wait, compute) if self.tp.is_first_rank else None
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sample_rows else None

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.executor import UpstreamStageFailed
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -89,12 +91,49 @@ class PipelineStage:
     def holds(self, layer: int) -> bool:
         return self.start <= layer < self.end
 
+    # Every step, each stage but the last sends the next exactly one message, whatever happens to the
+    # step: a header [status, ndim, *shape] (int64, HEADER long), then, where the status is OK, the
+    # activations of that shape. FAILED (this stage or one before it failed the step before sending)
+    # has no activations: the next stage raises UpstreamStageFailed instead of waiting for them, and
+    # passes the word on. A stage that fails before its receive still reads the message (``drain``),
+    # so the link never falls out of step: every step's message is read by that step.
+    OK, FAILED = 0, 1
+    HEADER = 5
+
+    def _header(self, status: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        return torch.tensor([status, len(shape), *shape, *[0] * (self.HEADER - 2 - len(shape))], dtype=torch.int64,
+                            device=device)
+
     def send(self, x: torch.Tensor) -> None:
         """The activations to the next stage (blocking until handed over)."""
+        dist.send(self._header(self.OK, tuple(x.shape), x.device), dst=self.next)
         dist.send(x.contiguous(), dst=self.next)
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The previous stage's activations, of ``shape``."""
-        x = torch.empty(shape, dtype=dtype, device=device)
+    def send_failure(self, device: torch.device) -> None:
+        """Tell the next stage that this step failed here or before: it has no activations to wait for."""
+        dist.send(self._header(self.FAILED, (), device), dst=self.next)
+
+    def _recv_message(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        header = torch.empty(self.HEADER, dtype=torch.int64, device=device)
+        dist.recv(header, src=self.prev)
+        status, ndim, *dims = header.tolist()
+        if status == self.FAILED:
+            return None
+        x = torch.empty(dims[:ndim], dtype=dtype, device=device)
         dist.recv(x, src=self.prev)
         return x
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The previous stage's activations, of ``shape``; UpstreamStageFailed if it failed the step."""
+        x = self._recv_message(dtype, device)
+        if x is None:
+            raise UpstreamStageFailed(f"pipeline stage {self.rank - 1} failed this step before sending its activations")
+        if tuple(x.shape) != tuple(shape):
+            raise RuntimeError(f"pipeline stage {self.rank - 1} sent activations of shape {tuple(x.shape)} for a step "
+                               f"whose activations here are {tuple(shape)}")
+        return x
+
+    def drain(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Read and drop this step's message from the previous stage (this stage failed before its receive)."""
+        self._recv_message(dtype, device)
+

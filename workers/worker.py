@@ -158,6 +158,26 @@ class Worker:
         return spec.bytes_per_block // spec.num_layers * largest
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step. Under pipeline parallelism every step exchanges exactly one message on each link
+        between stages, whatever happens (``PipelineStage``): a stage that fails the step before its
+        receive still reads the previous stage's message, and one that fails it before handing its
+        activations over tells the next stage so, which raises ``UpstreamStageFailed`` in turn. No rank
+        waits for activations that never come, and the links stay in step for the steps after."""
+        stage = self.runner.stage
+        if stage.size == 1:
+            return self._step(scheduler_output)
+        self.runner.received, self.runner.handed_over = stage.is_first, False
+        try:
+            return self._step(scheduler_output)
+        except BaseException:
+            # (a failure inside a receive or a send has broken that link: nothing more goes over it)
+            if not self.runner.received:
+                stage.drain(self.dtype, self.device)
+            if not stage.is_last and not self.runner.handed_over:
+                stage.send_failure(self.device)
+            raise
+
+    def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if scheduler_output.kv_offloads or scheduler_output.kv_restores:
             self.run_tier_copies(scheduler_output.kv_offloads, scheduler_output.kv_restores)
         return self.runner.execute_model(scheduler_output)

@@ -348,14 +348,57 @@ def test_a_compiled_step_whose_read_was_interrupted_is_lost_not_a_dead_rank(monk
         group.collect(_CompiledStep(["stage 0", TimeoutError("no answer")]))
 
 
-def test_a_first_stage_that_raises_before_sending_holds_nothing_up(ray_cluster, five_layers):
+def test_after_a_raise_the_step_fails_with_the_earliest_stages_error_or_the_group_is_wedged(ray_cluster):
+    """``WorkerGroup._after_raise`` on real Ray answers, one rank per stage: every rank answered (the
+    later stage with ``UpstreamStageFailed``, read first) is a failed step whose cause is the first stage's
+    error; a later stage that never answers is a failed step with stuck ranks (a stage raised before it
+    could tell the next one); an earlier stage that never answers is a wedged group."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from cluster.worker_group import WorkerGroup
+    from engine.executor import StepFailedError, UpstreamStageFailed, WorkerFailedError
+
+    @ray.remote(max_retries=0)
+    def rank(error: str | None, sleep_s: float = 0.0):
+        import time as _time
+
+        _time.sleep(sleep_s)
+        if error == "index":
+            raise IndexError("index out of range in self")
+        if error == "upstream":
+            raise UpstreamStageFailed("pipeline stage 0 failed this step before sending its activations")
+        return "ok"
+
+    group = object.__new__(WorkerGroup)
+    group.config = SimpleNamespace(parallel=SimpleNamespace(tensor_parallel_size=1))
+    upstream = UpstreamStageFailed("pipeline stage 0 failed this step")
+    refs = [rank.remote("index"), rank.remote("upstream")]
+    ray.wait(refs, num_returns=2)
+    with pytest.raises(StepFailedError) as failed:
+        group._after_raise(refs, upstream)
+    assert failed.value.kind == "IndexError" and not failed.value.ranks_stuck
+    stuck = [rank.remote("index"), rank.remote(None, 600)]
+    with pytest.raises(StepFailedError) as failed:
+        group._after_raise(stuck, IndexError("index out of range in self"))
+    assert failed.value.kind == "IndexError" and failed.value.ranks_stuck
+    wedged = [rank.remote(None, 600), rank.remote("index")]
+    with pytest.raises(WorkerFailedError, match="ranks \\[0\\] did not finish"):
+        group._after_raise(wedged, IndexError("index out of range in self"))
+    for ref in (stuck[1], wedged[0]):
+        ray.cancel(ref, force=True)
+
+
+@pytest.mark.parametrize("dispatch", ["remote", "compiled"])
+def test_a_first_stage_that_raises_before_sending_holds_nothing_up(ray_cluster, five_layers, dispatch, caplog):
     """A prompt token past the vocabulary (set after admission, where validation would have refused it)
-    makes the first stage's embedding raise before it sends its activations, so the second stage waits
-    for them (gloo's timeout here: 120 s). By actor calls (the default dispatch) the ranks are killed and
-    rebuilt at once, not held against the restart budget: the request fails alone, the others produce
-    the tokens of a run without it, well within that timeout. (Before, the stuck stage read as a dead
-    rank: three budgeted rebuilds, then the engine gave up. Through the compiled graph the stages
-    wait for gloo's timeout: ``WorkerGroup._get_compiled``.)"""
+    makes the first stage's embedding raise before it sends its activations. It tells the second stage
+    so (a status word before every step's activations), which raises in turn instead of waiting for them
+    (until gloo's timeout, 120 s): every rank answers, the step fails with the first stage's error, and
+    the request fails alone while the others produce the tokens of a run without it, the ranks never
+    rebuilt, through actor calls and through the compiled graph alike. (Before, the waiting stage read
+    as a dead rank: three budgeted rebuilds, then the engine gave up.)"""
     import time
 
     path, _ = five_layers
@@ -363,7 +406,10 @@ def test_a_first_stage_that_raises_before_sending_holds_nothing_up(ray_cluster, 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with LLM(model=path, num_kv_blocks=256) as reference:
         expected = generate(reference, prompts, params)
-    with LLM(model=path, pipeline_parallel_size=2, num_kv_blocks=256) as llm:
+    # one step in flight: a step that raises beside another in flight rebuilds the ranks anyway (that is
+    # test_a_request_that_raises_with_steps_in_flight_fails_alone's)
+    with LLM(model=path, pipeline_parallel_size=2, batches_in_flight=1, num_kv_blocks=256,
+             tp_dispatch=dispatch) as llm:
         core = llm.core
         for i, prompt in enumerate(prompts):
             core.add_request(str(i), prompt, params)
@@ -376,4 +422,7 @@ def test_a_first_stage_that_raises_before_sending_holds_nothing_up(ray_cluster, 
     assert failed["bad"] is not None and "IndexError" in failed["bad"]
     assert [finals[str(i)] for i in range(len(prompts))] == expected
     assert stats["num_blocks_in_use"] == 0 and stats["num_requests_running"] == 0
-    assert stats["num_failed_requests"] == 1 and took < 60
+    assert stats["num_failed_requests"] == 1 and stats["num_worker_restarts"] == 0 and took < 60
+    # the failed steps' cause, logged, is the first stage's error, never the second stage's echo of it
+    failures = [r.getMessage() for r in caplog.records if "engine step" in r.getMessage()]
+    assert failures and all("IndexError" in m and "UpstreamStageFailed" not in m for m in failures)
