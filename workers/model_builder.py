@@ -248,22 +248,23 @@ def _no_progress_bars() -> Iterator[None]:
 
 
 def make_model(arch: str, preset: str, out: str | Path, seed: int = 0, dtype: str = "float32",
-               max_shard_size: str | None = None, num_layers: int | None = None) -> Path:
+               max_shard_size: str | None = None, num_layers: int | None = None, train_steps: int = 0) -> Path:
     """Build a random `arch`/`preset` checkpoint with its tokenizer into `out`; return `out` resolved.
 
     The weights are drawn in float32 right after `torch.manual_seed(seed)` (the caller's RNG state is restored
     afterwards) and then cast, so every dtype holds the same model. The build goes to a temporary sibling that is
     renamed to `out` at the end: `out` either holds a complete checkpoint or does not exist. `max_shard_size`
     (e.g. "200KB") splits the weights into shards listed in `model.safetensors.index.json`. `num_layers`: that
-    many decoder layers instead of the preset's.
+    many decoder layers instead of the preset's. `train_steps` > 0: that many steps of next-token training on
+    the corpus (workers/model_training.py) before the cast, the report in `training.json` beside the weights.
     Raises ValueError for an unknown arch, preset or dtype and FileExistsError if `out` is a non-empty directory.
     """
     with without_triton():
-        return _make_model(arch, preset, out, seed, dtype, max_shard_size, num_layers)
+        return _make_model(arch, preset, out, seed, dtype, max_shard_size, num_layers, train_steps)
 
 
 def _make_model(arch: str, preset: str, out: str | Path, seed: int, dtype: str, max_shard_size: str | None,
-                num_layers: int | None = None) -> Path:
+                num_layers: int | None = None, train_steps: int = 0) -> Path:
     import transformers  # slow to import; only building needs it
 
     kwargs = _preset(arch, preset)
@@ -273,6 +274,8 @@ def _make_model(arch: str, preset: str, out: str | Path, seed: int, dtype: str, 
         kwargs["num_hidden_layers"] = num_layers
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if train_steps < 0:
+        raise ValueError(f"train steps must be >= 0, got {train_steps}")
     out = Path(out).expanduser().resolve()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; remove it or choose another output directory")
@@ -287,6 +290,11 @@ def _make_model(arch: str, preset: str, out: str | Path, seed: int, dtype: str, 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.data.normal_(0.0, 0.2)
+    training = None
+    if train_steps:
+        from workers.model_training import train_on_corpus
+
+        training = train_on_corpus(model, tokenizer, steps=train_steps, seed=seed, bos_id=BOS_ID)
     model.to(getattr(torch, dtype))
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID)
@@ -297,6 +305,8 @@ def _make_model(arch: str, preset: str, out: str | Path, seed: int, dtype: str, 
         with _no_progress_bars():  # no max_shard_size: one file (no preset comes near 1000GB)
             model.save_pretrained(tmp, max_shard_size=max_shard_size or "1000GB")
         _save_tokenizer(tokenizer, tmp, config.max_position_embeddings)
+        if training is not None:
+            (tmp / "training.json").write_text(json.dumps(training.as_dict(), indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it 0o700
         if out.exists():
             out.rmdir()
@@ -352,16 +362,23 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--max-shard-size", help='shard the weights, e.g. "200KB" (default: a single file)')
+    parser.add_argument("--train-steps", type=int, default=0,
+                        help="train that many steps on the corpus before saving (default 0: random weights)")
 
 
 def run_make_model(args: argparse.Namespace) -> int:
     """Run `kvserve make-model`: build the checkpoint, print its directory and parameter count."""
     try:
         out = make_model(args.arch, args.preset, args.out, seed=args.seed, dtype=args.dtype,
-                         max_shard_size=args.max_shard_size)
+                         max_shard_size=args.max_shard_size, train_steps=args.train_steps)
     except (ValueError, FileExistsError) as e:
         print(f"make-model: {e}", file=sys.stderr)
         return 2
     print(out)
     print(f"{args.arch}-{args.preset} ({args.dtype}): {num_parameters(out):,} parameters")
+    if args.train_steps:
+        t = json.loads((out / "training.json").read_text())
+        print(f"trained {t['steps']} steps ({t['train_tokens_seen']:,} tokens) in {t['seconds']:.0f} s: train loss "
+              f"{t['initial_train_loss']:.2f} -> {t['final_train_loss']:.2f}, held-out "
+              f"{t['initial_held_out_loss']:.2f} -> {t['held_out_loss']:.2f}")
     return 0
