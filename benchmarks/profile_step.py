@@ -11,6 +11,7 @@ and what is left is Python and dispatch between them.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from collections import defaultdict
@@ -124,6 +125,9 @@ def _fma_peak() -> float | None:
     return max(float(ops.fma_peak(200_000, False)) for _ in range(10))
 
 
+MAX_BATCHED_TOKENS = 2048  # the engine's default budget of tokens a step
+
+
 def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, shared_prefix: int = 512,
                  steps: int = 20, threads: int = 2, block_size: int = 16, attention_backend: str = "auto",
                  cascade: bool = True, kv_cache_dtype: str = "auto", kv_gib: float | None = None) -> dict:
@@ -134,9 +138,13 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
     rng = random.Random(0)
     vocab_hi = 4000
     prefix = [1] + [rng.randrange(5, vocab_hi) for _ in range(max(0, shared_prefix - 1))]
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 16, ignore_eos=True,
+    # every sequence decodes through the start (the later prompts' prefills, a budget of batched tokens a
+    # step, beside the decodes of those started) and both profiled passes: none may finish before
+    start_steps = math.ceil(num_seqs * prompt_len / max(1, MAX_BATCHED_TOKENS - num_seqs)) + 2
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 16 + start_steps, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
-    with LLM(model=model, max_num_seqs=num_seqs, block_size=block_size, attention_backend=attention_backend,
+    with LLM(model=model, max_num_seqs=num_seqs, max_num_batched_tokens=MAX_BATCHED_TOKENS, block_size=block_size,
+             attention_backend=attention_backend,
              cascade_attention=cascade, max_model_len=prompt_len + params.max_tokens + block_size,
              kv_cache_dtype=kv_cache_dtype,
              kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30)) as llm:
@@ -145,7 +153,9 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
             own = [rng.randrange(5, vocab_hi) for _ in range(max(1, prompt_len - len(prefix)))]
             core.add_request(f"p{i}", prefix + own, params)
         while not (len(core.scheduler.running) == num_seqs and all(r.num_output_tokens for r in core.scheduler.running)):
-            core.step()
+            if any(out.finished for out in core.step()):
+                raise RuntimeError(f"a sequence finished before all {num_seqs} were decoding (the KV pool may hold "
+                                   f"fewer than {num_seqs} of {prompt_len} tokens: give more --kv-gib)")
         from torch.profiler import ProfilerActivity, profile
 
         with _instrumented(core) as timers:

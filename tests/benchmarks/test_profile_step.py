@@ -30,3 +30,29 @@ def test_profile_step_accounts_for_the_step(model_dirs, backend, cascade, kv):
     assert (result["cascade_steps"] >= 8) == cascade
     text = format_profile(result)
     assert "outside the matrix products" in text and f"attention backend {backend}, KV {kv}" in text
+
+
+def test_the_start_of_many_long_prompts_is_decoded_through(model_dirs, monkeypatch):
+    """Every sequence keeps decoding while the later prompts are prefilled (a budget of batched tokens a
+    step): with 6 prompts of 70 tokens and 16 tokens a step the start takes about 40 steps, more than the
+    tokens a profile of one step used to give each sequence (18), which then finished and left the
+    start waiting forever for all six to decode at once."""
+    import benchmarks.profile_step as profile_module
+
+    monkeypatch.setattr(profile_module, "MAX_BATCHED_TOKENS", 16)
+    result = profile_step(model_dirs["llama"], num_seqs=6, prompt_len=70, shared_prefix=0, steps=1, threads=1,
+                          block_size=8, attention_backend="torch", cascade=False)
+    assert result["num_seqs"] == 6 and result["step_ms"] > 0
+
+
+def test_a_pool_too_small_for_every_sequence_is_an_error_not_a_hang(model_dirs):
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_dirs["llama"]) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    with pytest.raises(RuntimeError, match="a sequence finished before all 6 were decoding"):
+        # room for three of the six 70-token prompts: never all six at once
+        profile_step(model_dirs["llama"], num_seqs=6, prompt_len=70, shared_prefix=0, steps=1, threads=1,
+                     block_size=8, attention_backend="torch", cascade=False, kv_gib=250 * per_token / 2**30)
