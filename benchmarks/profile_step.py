@@ -153,9 +153,12 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
             own = [rng.randrange(5, vocab_hi) for _ in range(max(1, prompt_len - len(prefix)))]
             core.add_request(f"p{i}", prefix + own, params)
         while not (len(core.scheduler.running) == num_seqs and all(r.num_output_tokens for r in core.scheduler.running)):
-            if any(out.finished for out in core.step()):
-                raise RuntimeError(f"a sequence finished before all {num_seqs} were decoding (the KV pool may hold "
-                                   f"fewer than {num_seqs} of {prompt_len} tokens: give more --kv-gib)")
+            finished = [out for out in core.step() if out.finished]
+            if finished:
+                reason = finished[0].outputs[0].finish_reason
+                raise RuntimeError(f"a sequence finished ({reason}) before all {num_seqs} were decoding: the KV pool "
+                                   f"must hold {num_seqs} x {prompt_len + params.max_tokens} tokens at once (give "
+                                   f"more --kv-gib)")
         from torch.profiler import ProfilerActivity, profile
 
         with _instrumented(core) as timers:

@@ -174,10 +174,11 @@ class WorkerGroup:
     def _after_raise(self, refs: list, cause: BaseException):
         """A rank raised: the group is sound if every other rank answers (each alive); else wedged,
         unless every rank that has not answered is in a later pipeline stage than one that raised. The
-        step's cause is the first rank's error that is not a later stage's ``UpstreamStageFailed``."""
+        step's cause is the error of the first rank (in rank order) that raised anything but
+        ``UpstreamStageFailed``."""
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=RAISED_GRACE_S)
         tp = self.config.parallel.tensor_parallel_size
-        raised_stages = []
+        raised_stages, first = [], None
         for ref in sorted(ready, key=refs.index):
             try:
                 ray.get(ref)
@@ -185,9 +186,10 @@ class WorkerGroup:
                 inner = raised_inside(exc)
                 if inner is None:
                     raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
-                if isinstance(cause, UpstreamStageFailed) and not isinstance(inner, UpstreamStageFailed):
-                    cause = inner  # the stage where the step failed, not one that was told so
+                if first is None and not isinstance(inner, UpstreamStageFailed):
+                    first = inner  # the earliest rank where the step failed, not one that was told so
                 raised_stages.append(refs.index(ref) // tp)
+        cause = first if first is not None else cause
         if not pending:
             raise step_failed(cause) from cause
         if raised_stages and min(refs.index(r) // tp for r in pending) > min(raised_stages):

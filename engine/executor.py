@@ -34,8 +34,9 @@ class StepFailedError(RuntimeError):
 
 class UpstreamStageFailed(RuntimeError):
     """Raised by a pipeline stage whose previous stage failed the step before sending its activations
-    (``workers.parallel_state.PipelineStage``): this stage ran nothing of the step; that stage's error
-    is the step's cause."""
+    (``workers.parallel_state.PipelineStage``): this stage ran none of the step's layers (its batch was
+    prepared; earlier stages may have written their layers' KV, which the step's rollback leaves
+    unregistered); that stage's error is the step's cause."""
 
 
 class Executor(ABC):

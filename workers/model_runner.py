@@ -202,7 +202,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | StageTiming | None:
         """The step's output on the sampling rank; under pipeline parallelism a stage's timing on the
         first rank of every stage before the last; None elsewhere. ``received`` and ``handed_over`` are
-        set as a stage starts reading the previous stage's message and sending its activations on
+        set just before a stage reads the previous stage's message and sends its own over the link
         (``Worker.execute_model`` keeps the links in step when the step fails before either)."""
         start = time.perf_counter()
         stage_wait = 0.0
@@ -222,15 +222,13 @@ class ModelRunner:
         else:
             intermediate = None
             if not self.stage.is_first:  # the previous stage's (hidden, residual)
-                self.received = True
                 intermediate = self.stage.recv(self._intermediate_shape(len(batch.input_ids)), self.dtype,
-                                               self.device)
+                                               self.device, started=self._receiving)
                 stage_wait = time.perf_counter() - forward_start
             hidden = self._forward(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta, intermediate)
             if not self.stage.is_last:
                 compute = time.perf_counter() - forward_start - stage_wait
-                self.handed_over = True
-                self.stage.send(hidden)
+                self.stage.send(hidden, started=self._handing_over)
                 return StageTiming(self.stage.rank, stage_wait, compute) if self.tp.is_first_rank else None
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sample_rows else None
         if events is not None:
@@ -258,6 +256,12 @@ class ModelRunner:
             forward_time = events[0].elapsed_time(events[1]) / 1000
         return ModelRunnerOutput(batch.req_ids, sampled, logprobs, forward_time - stage_wait,
                                  time.perf_counter() - start, stage_wait_s=stage_wait, prompt_logprobs=prompt_logprobs)
+
+    def _receiving(self) -> None:
+        self.received = True
+
+    def _handing_over(self) -> None:
+        self.handed_over = True
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: PagedAttentionMetadata,
                  intermediate: torch.Tensor | None) -> torch.Tensor:

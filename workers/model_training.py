@@ -58,17 +58,28 @@ def _held_out_loss(model, ids: torch.Tensor, seq_len: int, bos_id: int) -> float
     starts = torch.arange(0, len(ids) - seq_len + 1, seq_len - 1)
     if len(starts) == 0:
         raise ValueError(f"the held-out part ({len(ids)} tokens) is shorter than one {seq_len}-token window")
+    training = model.training
     model.eval()
     losses = [float(model(input_ids=w, labels=w).loss) for w in _windows(ids, starts, seq_len, bos_id).split(8)]
-    model.train()
+    model.train(training)
     return sum(losses) / len(losses)
 
 
 def train_on_corpus(model, tokenizer, *, steps: int, seed: int, bos_id: int, seq_len: int = 256,
                     batch_size: int = 8, lr: float = 2e-3, warmup: int = 20) -> TrainingReport:
-    """Train `model` (a transformers causal LM, float32) in place for `steps` AdamW steps on the corpus."""
+    """Train `model` (a transformers causal LM, float32) in place for `steps` AdamW steps on the corpus; it
+    is left in eval mode. The global RNG (dropout, where a config has it) is seeded with `seed` and the
+    caller's state restored afterwards."""
     if steps < 1:
         raise ValueError(f"train steps must be >= 1, got {steps}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _train(model, tokenizer, steps=steps, seed=seed, bos_id=bos_id, seq_len=seq_len,
+                      batch_size=batch_size, lr=lr, warmup=warmup)
+
+
+def _train(model, tokenizer, *, steps: int, seed: int, bos_id: int, seq_len: int, batch_size: int, lr: float,
+           warmup: int) -> TrainingReport:
     ids = torch.tensor(corpus_ids(tokenizer), dtype=torch.long)
     cut = int(len(ids) * (1 - HELD_OUT))
     train_ids, held_ids = ids[:cut], ids[cut:]

@@ -5,7 +5,8 @@ At size 1 every collective is the identity, so the single-process engine pays no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,7 +67,10 @@ class TPGroup:
 class PipelineStage:
     """Stage ``rank`` of ``size``: the model's layers [start, end) of ``num_layers``. ``prev``/``next``:
     the global ranks (in the default process group) of the neighbouring stages' rank of this one's
-    tensor-parallel index, which the activations come from and go to (None at the ends)."""
+    tensor-parallel index, which the activations come from and go to (None at the ends).
+    ``header_group``: the process group of the messages' headers (a gloo group where the activations
+    go over NCCL, so that a header is a host-side exchange that waits for no device work; None: the
+    default group, gloo on CPU)."""
 
     rank: int = 0
     size: int = 1
@@ -75,6 +79,7 @@ class PipelineStage:
     num_layers: int = 0
     prev: int | None = None
     next: int | None = None
+    header_group: Any = field(default=None, compare=False)
 
     @classmethod
     def whole(cls, num_layers: int) -> PipelineStage:
@@ -92,30 +97,40 @@ class PipelineStage:
         return self.start <= layer < self.end
 
     # Every step, each stage but the last sends the next exactly one message, whatever happens to the
-    # step: a header [status, ndim, *shape] (int64, HEADER long), then, where the status is OK, the
-    # activations of that shape. FAILED (this stage or one before it failed the step before sending)
-    # has no activations: the next stage raises UpstreamStageFailed instead of waiting for them, and
-    # passes the word on. A stage that fails before its receive still reads the message (``drain``),
-    # so the link never falls out of step: every step's message is read by that step.
+    # step: a header [status, ndim, *shape] (int64, HEADER long, on the host), then, where the status is
+    # OK, the activations of that shape. FAILED (this stage or one before it failed the step before
+    # sending) has no activations: the next stage raises UpstreamStageFailed instead of waiting for
+    # them, and passes the word on. A stage that fails before its receive still reads the message
+    # (``drain``), so the link never falls out of step: every step's message is read by that step.
+    # ``started`` is called just before the header goes over the link (``Worker.execute_model``: from
+    # then on the message is this step's, or the link is broken).
     OK, FAILED = 0, 1
     HEADER = 5
 
-    def _header(self, status: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        return torch.tensor([status, len(shape), *shape, *[0] * (self.HEADER - 2 - len(shape))], dtype=torch.int64,
-                            device=device)
+    def _header(self, status: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor([status, len(shape), *shape, *[0] * (self.HEADER - 2 - len(shape))], dtype=torch.int64)
 
-    def send(self, x: torch.Tensor) -> None:
+    def send(self, x: torch.Tensor, started: Callable[[], None] | None = None) -> None:
         """The activations to the next stage (blocking until handed over)."""
-        dist.send(self._header(self.OK, tuple(x.shape), x.device), dst=self.next)
-        dist.send(x.contiguous(), dst=self.next)
+        if x.dim() > self.HEADER - 2:
+            raise ValueError(f"pipeline stages pass tensors of at most {self.HEADER - 2} dimensions, not {x.dim()}")
+        x = x.contiguous()
+        header = self._header(self.OK, tuple(x.shape))
+        if started is not None:
+            started()
+        dist.send(header, dst=self.next, group=self.header_group)
+        dist.send(x, dst=self.next)
 
-    def send_failure(self, device: torch.device) -> None:
+    def send_failure(self) -> None:
         """Tell the next stage that this step failed here or before: it has no activations to wait for."""
-        dist.send(self._header(self.FAILED, (), device), dst=self.next)
+        dist.send(self._header(self.FAILED, ()), dst=self.next, group=self.header_group)
 
-    def _recv_message(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        header = torch.empty(self.HEADER, dtype=torch.int64, device=device)
-        dist.recv(header, src=self.prev)
+    def _recv_message(self, dtype: torch.dtype, device: torch.device,
+                      started: Callable[[], None] | None = None) -> torch.Tensor | None:
+        header = torch.empty(self.HEADER, dtype=torch.int64)
+        if started is not None:
+            started()
+        dist.recv(header, src=self.prev, group=self.header_group)
         status, ndim, *dims = header.tolist()
         if status == self.FAILED:
             return None
@@ -123,9 +138,10 @@ class PipelineStage:
         dist.recv(x, src=self.prev)
         return x
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+             started: Callable[[], None] | None = None) -> torch.Tensor:
         """The previous stage's activations, of ``shape``; UpstreamStageFailed if it failed the step."""
-        x = self._recv_message(dtype, device)
+        x = self._recv_message(dtype, device, started)
         if x is None:
             raise UpstreamStageFailed(f"pipeline stage {self.rank - 1} failed this step before sending its activations")
         if tuple(x.shape) != tuple(shape):

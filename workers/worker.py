@@ -7,6 +7,7 @@ is a thin wrapper around it.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 
 import torch
@@ -19,6 +20,8 @@ from workers.cuda_graphs import graph_memory_reserve
 from workers.kv_pool import HostKVTier
 from workers.model_runner import ModelRunner
 from workers.parallel_state import PipelineStage, TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -84,9 +87,13 @@ class Worker:
         if pp_size > 1:
             num_layers = self.config.model.hf_config["num_hidden_layers"]
             start, end = parallel.stage_layers(num_layers)[pp_rank]
+            # the stages' message headers go over gloo where the activations go over NCCL (every rank makes
+            # the group): reading a header then waits for the previous stage's host, not for its device
+            headers = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
             self.stage = PipelineStage(pp_rank, pp_size, start, end, num_layers,
                                        prev=self.rank - tp_size if pp_rank > 0 else None,
-                                       next=self.rank + tp_size if pp_rank < pp_size - 1 else None)
+                                       next=self.rank + tp_size if pp_rank < pp_size - 1 else None,
+                                       header_group=headers)
         torch.manual_seed(self.config.seed)
 
     def load_model(self) -> None:
@@ -170,11 +177,18 @@ class Worker:
         try:
             return self._step(scheduler_output)
         except BaseException:
-            # (a failure inside a receive or a send has broken that link: nothing more goes over it)
+            # (a failure inside a receive or a send has broken that link: nothing more goes over it.)
+            # Each repair is tried on its own, and the step's own error is the one raised.
             if not self.runner.received:
-                stage.drain(self.dtype, self.device)
+                try:
+                    stage.drain(self.dtype, self.device)
+                except Exception:  # noqa: BLE001 - the link from the previous stage is broken
+                    logger.exception("pipeline stage %d could not read the previous stage's message", stage.rank)
             if not stage.is_last and not self.runner.handed_over:
-                stage.send_failure(self.device)
+                try:
+                    stage.send_failure()
+                except Exception:  # noqa: BLE001 - the link to the next stage is broken
+                    logger.exception("pipeline stage %d could not tell the next stage of its failure", stage.rank)
             raise
 
     def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

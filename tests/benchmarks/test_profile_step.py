@@ -52,7 +52,8 @@ def test_a_pool_too_small_for_every_sequence_is_an_error_not_a_hang(model_dirs):
     config = json.loads((Path(model_dirs["llama"]) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
-    with pytest.raises(RuntimeError, match="a sequence finished before all 6 were decoding"):
+    expected = r"a sequence finished \(length\) before all 6 were decoding: the KV pool must hold 6 x "
+    with pytest.raises(RuntimeError, match=expected):
         # room for three of the six 70-token prompts: never all six at once
         profile_step(model_dirs["llama"], num_seqs=6, prompt_len=70, shared_prefix=0, steps=1, threads=1,
                      block_size=8, attention_backend="torch", cascade=False, kv_gib=250 * per_token / 2**30)

@@ -367,6 +367,8 @@ def test_after_a_raise_the_step_fails_with_the_earliest_stages_error_or_the_grou
         _time.sleep(sleep_s)
         if error == "index":
             raise IndexError("index out of range in self")
+        if error == "value":
+            raise ValueError("a later stage's own error")
         if error == "upstream":
             raise UpstreamStageFailed("pipeline stage 0 failed this step before sending its activations")
         return "ok"
@@ -379,15 +381,24 @@ def test_after_a_raise_the_step_fails_with_the_earliest_stages_error_or_the_grou
     with pytest.raises(StepFailedError) as failed:
         group._after_raise(refs, upstream)
     assert failed.value.kind == "IndexError" and not failed.value.ranks_stuck
-    stuck = [rank.remote("index"), rank.remote(None, 600)]
+    # the earliest stage's error is the cause even where a later stage's own error was seen first
+    refs = [rank.remote("index"), rank.remote("value"), rank.remote("upstream")]
+    ray.wait(refs, num_returns=3)
     with pytest.raises(StepFailedError) as failed:
-        group._after_raise(stuck, IndexError("index out of range in self"))
-    assert failed.value.kind == "IndexError" and failed.value.ranks_stuck
+        group._after_raise(refs, ValueError("a later stage's own error"))
+    assert failed.value.kind == "IndexError"
+    stuck = [rank.remote("index"), rank.remote(None, 600)]
     wedged = [rank.remote(None, 600), rank.remote("index")]
-    with pytest.raises(WorkerFailedError, match="ranks \\[0\\] did not finish"):
-        group._after_raise(wedged, IndexError("index out of range in self"))
-    for ref in (stuck[1], wedged[0]):
-        ray.cancel(ref, force=True)
+    try:
+        ray.wait([stuck[0], wedged[1]], num_returns=2)  # (the raising ranks have answered)
+        with pytest.raises(StepFailedError) as failed:
+            group._after_raise(stuck, IndexError("index out of range in self"))
+        assert failed.value.kind == "IndexError" and failed.value.ranks_stuck
+        with pytest.raises(WorkerFailedError, match="ranks \\[0\\] did not finish"):
+            group._after_raise(wedged, IndexError("index out of range in self"))
+    finally:
+        for ref in (stuck[1], wedged[0]):
+            ray.cancel(ref, force=True)
 
 
 @pytest.mark.parametrize("dispatch", ["remote", "compiled"])

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import os
-import socket
+import datetime
 from types import SimpleNamespace
 
 import torch
@@ -25,6 +24,8 @@ STEPS = [
     (2, (2, "before receive")),  # the last stage fails before reading the middle stage's
     (7, (1, "before send")),  # the middle stage fails after reading, before sending on
     (4, None),
+    (5, (0, "4-D send")),  # a tensor the header cannot describe: refused before anything is sent
+    (3, None),
 ]
 
 
@@ -42,20 +43,26 @@ class _Runner:
         else:
             if failing:
                 raise ValueError("failed before its receive")
-            self.received = True
-            x = self.stage.recv((step.tokens, 3), torch.float32, torch.device("cpu"))
+            x = self.stage.recv((step.tokens, 3), torch.float32, torch.device("cpu"), started=self._receiving)
         if step.fails == (self.stage.rank, "before send") or (failing and self.stage.is_first):
             raise ValueError("failed before its send")
         if self.stage.is_last:
             return x
-        self.handed_over = True
-        self.stage.send(x + 1)
+        if step.fails == (self.stage.rank, "4-D send"):
+            x = x.reshape(1, 1, step.tokens, 3)
+        self.stage.send(x + 1, started=self._handing_over)
         return None
 
+    def _receiving(self) -> None:
+        self.received = True
 
-def _stage_process(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=STAGES)
+    def _handing_over(self) -> None:
+        self.handed_over = True
+
+
+def _stage_process(rank: int, store: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=STAGES,
+                            timeout=datetime.timedelta(seconds=60))
     stage = PipelineStage(rank, STAGES, rank, rank + 1, STAGES, rank - 1 if rank else None,
                           rank + 1 if rank < STAGES - 1 else None)
     worker = object.__new__(Worker)
@@ -72,20 +79,25 @@ def _stage_process(rank: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-def test_every_step_reads_its_own_message_whoever_failed_before() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_every_step_reads_its_own_message_whoever_failed_before(tmp_path) -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_stage_process, args=(r, port, results)) for r in range(STAGES)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    procs = [ctx.Process(target=_stage_process, args=(r, str(tmp_path / "store"), results), daemon=True)
+             for r in range(STAGES)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(results.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+        assert [p.exitcode for p in procs] == [0] * STAGES
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     ok = lambda index, tokens: ((tokens, 3), [float(index + 2)])  # noqa: E731 - two sends, +1 each
-    assert got[0] == [None, None, "ValueError", None, None, None, None]
-    assert got[1] == [None, "ValueError", "UpstreamStageFailed", None, None, "ValueError", None]
+    assert got[0] == [None, None, "ValueError", None, None, None, None, "ValueError", None]
+    assert got[1] == [None, "ValueError", "UpstreamStageFailed", None, None, "ValueError", None,
+                      "UpstreamStageFailed", None]
     assert got[2] == [ok(0, 4), "UpstreamStageFailed", "UpstreamStageFailed", ok(3, 6), "ValueError",
-                      "UpstreamStageFailed", ok(6, 4)]
+                      "UpstreamStageFailed", ok(6, 4), "UpstreamStageFailed", ok(8, 3)]
