@@ -133,6 +133,21 @@ def default_kv_bytes(block: int, node_memory: list[float] | None) -> int:
     return min(kv, int(max(node_memory) // 4)) if node_memory else kv
 
 
+def activation_bytes(config: EngineConfig, elem: int) -> int:
+    """A CPU rank's step activations beyond what ``RANK_RUNTIME_BYTES`` holds: a budget of batched tokens
+    times its widest rows (the MLP's gate and up outputs and their product, its experts' for the tokens'
+    top-k; the attention projections and the residual), in the model's dtype. (A PP 2 rank of the llama
+    `1b` shape cut to 8 layers once held 824 MB beyond its weights and pool, against the 805 MB reserved
+    before this term; the qwen3 `small` preset's ranks hold 470-530 MB.)"""
+    hf = config.model.hf_config
+    hidden = int(hf.get("hidden_size") or hf.get("d_model") or 0)
+    inter = int(hf.get("intermediate_size") or hf.get("ffn_dim") or 4 * hidden)
+    per_expert = int(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0)
+    experts = per_expert * int(hf.get("num_experts_per_tok") or 0)
+    width = 3 * max(inter, experts) // config.parallel.tensor_parallel_size + 4 * hidden
+    return config.scheduler.max_num_batched_tokens * width * elem
+
+
 def rank_memory(config: EngineConfig, use_gpu: bool, node_memory: list[float] | None = None) -> list[RankMemory]:
     """Every rank's need, in global rank order (stage * tp + tensor-parallel index); ``node_memory``:
     the live nodes' memory, where known (it bounds the default pool)."""
@@ -156,7 +171,8 @@ def rank_memory(config: EngineConfig, use_gpu: bool, node_memory: list[float] | 
         if use_gpu:
             needs += [RankMemory(weights=0, kv=0, host_tier=host)] * tp
         else:
-            needs += [RankMemory(weights=stage_weights, kv=kv, host_tier=host)] * tp
+            needs += [RankMemory(weights=stage_weights, kv=kv, host_tier=host,
+                                 runtime=RANK_RUNTIME_BYTES + activation_bytes(config, elem))] * tp
     return needs
 
 

@@ -106,7 +106,11 @@ def test_a_ranks_pool_and_host_tier_as_the_settings_give_them(models):
     assert [n.kv for n in needs] == [100 * block * 3 // 5, 100 * block * 2 // 5]
     # host slots come from the largest stage (equal on every rank), each of this stage's block size
     assert [n.host_tier for n in needs] == [7 * block * 3 // 5, 7 * block * 2 // 5]
-    assert all(n.runtime == RANK_RUNTIME_BYTES for n in needs)
+    # the runtime grows with a step's activations: the batched tokens times the widest rows
+    assert all(n.runtime == needs[0].runtime > RANK_RUNTIME_BYTES for n in needs)
+    double = rank_memory(engine_config(path, pipeline_parallel_size=2, num_kv_blocks=100,
+                                       max_num_batched_tokens=4096), use_gpu=False)
+    assert double[0].runtime - RANK_RUNTIME_BYTES == 2 * (needs[0].runtime - RANK_RUNTIME_BYTES)
     assert sum(n.weights for n in needs) == sum(checkpoint_numels(path).values()) * 4
     given = rank_memory(engine_config(path, kv_cache_memory_bytes=5 * MIB), use_gpu=False)
     assert [n.kv for n in given] == [5 * MIB]
@@ -134,7 +138,7 @@ def test_a_rank_no_node_can_hold_is_refused_with_what_it_needs(models):
     rank0 = rank_memory(config, False)[0]
     assert memory_refusal(config, False, [GIB, 1.5 * GIB]) == (
         f"rank 0 (stage 0 of 2) needs {rank0.total / GIB:.2f} GiB (weights {rank0.weights / GIB:.2f}, KV pool 1.00, "
-        f"runtime 0.75) of memory but the largest Ray node has 1.50 GiB: raise pipeline_parallel_size or "
+        f"runtime {rank0.runtime / GIB:.2f}) of memory but the largest Ray node has 1.50 GiB: raise pipeline_parallel_size or "
         f"tensor_parallel_size, lower kv_cache_memory_bytes, or add larger nodes")
     tp2 = engine_config(models["llama"], tensor_parallel_size=2, kv_cache_memory_bytes=GIB, placement_strategy="PACK")
     assert memory_refusal(tp2, False, [GIB]).startswith("rank 0 of 2 needs ")
