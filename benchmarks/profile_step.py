@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from engine.config import SchedulerConfig
 from kernels.kv_quant import KV_CACHE_DTYPES
 
 PHASES = ("schedule", "prepare inputs", "forward", "logits", "sample", "update", "outputs")
@@ -125,7 +126,7 @@ def _fma_peak() -> float | None:
     return max(float(ops.fma_peak(200_000, False)) for _ in range(10))
 
 
-MAX_BATCHED_TOKENS = 2048  # the engine's default budget of tokens a step
+MAX_BATCHED_TOKENS = SchedulerConfig().max_num_batched_tokens  # the engine's default budget of tokens a step
 
 
 def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, shared_prefix: int = 512,
