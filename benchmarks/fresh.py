@@ -15,7 +15,8 @@ Protocol (``<runner> SPEC.json RESULT.json``)::
                       "kvserve-overhead" | "vllm-cache" | "vllm-nocache",
             "model": dir, "threads": n,
             "engine": {"enable_prefix_caching", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                       "max_model_len", "kv_cache_memory_bytes", "kv_cache_dtype"},
+                       "max_model_len", "kv_cache_memory_bytes", "kv_cache_dtype",
+                       "cpu_matmul_precision" (kvserve's only)},
             "options": {system-specific: "hf_batch_size", "hf_cb", "num_seqs", "log_stats"},
             "instances": [{"label": "first" | "steady", "workload": Workload.to_dict()}, ...]}
     result {"system", "pid", "start_s" (constructing the system), "torch_threads", "omp_num_threads",

@@ -173,6 +173,8 @@ def format_markdown(report: dict) -> str:
                   f"{settings.get('max_num_batched_tokens', DASH)}, KV cache "
                   f"{_fixed((settings.get('kv_cache_memory_bytes') or 0) / 2**30, 1)} GiB"
                   + (f" in {settings['kv_cache_dtype']}" if settings.get("kv_cache_dtype", "auto") != "auto" else "")
+                  + (f"; kvserve's cpu_matmul_precision {settings['cpu_matmul_precision']}"
+                     if settings.get("cpu_matmul_precision", "highest") != "highest" else "")
                   + "; "
                   f"{settings.get('process', '')}"
                   + (f"; {settings['repeat']} rounds, the systems taking turns, each system's best round"

@@ -39,7 +39,7 @@ def api_key_from_env(name: str) -> str:
 ENGINE_KWARGS = frozenset({
     "tensor_parallel_size", "pipeline_parallel_size", "pipeline_layer_split", "batches_in_flight", "dtype", "device", "block_size", "enable_prefix_caching", "num_kv_blocks",
     "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "seed", "placement_strategy", "enable_expert_parallel", "attention_backend", "cascade_attention", "max_worker_restarts",
+    "seed", "cpu_matmul_precision", "placement_strategy", "enable_expert_parallel", "attention_backend", "cascade_attention", "max_worker_restarts",
     "max_consecutive_failed_steps",
     "worker_restart_window_s", "worker_restart_backoff_s", "max_n", "max_logprobs", "max_stop_sequences",
     "max_stop_token_ids", "max_stop_string_length", "max_stop_total_length", "num_host_kv_blocks", "kv_offload_bytes", "deterministic",
@@ -145,6 +145,9 @@ class AppArgs(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"] = "auto"
     # batch-invariant numerics: a greedy request's tokens and logprobs do not depend on its batch
     deterministic: bool = False
+    # prefill products on AMX tiles in three bfloat16 products where the CPU has AMX ("high"), or the
+    # float32 chain everywhere ("highest"); EngineConfig.cpu_matmul_precision
+    cpu_matmul_precision: Literal["highest", "high"] = "highest"
     # False: decode steps replay CUDA graphs (CUDA, attention_backend triton); eager by default for now
     enforce_eager: bool = True
     max_num_seqs: int = 256

@@ -142,6 +142,7 @@ class ModelConfig:
 # whichever is less, and at most this many blocks (a pool beyond it only grows the prefix cache, at Python
 # cost); what each rank reserves from Ray's ``memory`` (cluster.memory_plan.default_kv_bytes)
 CPU_DEFAULT_KV_BYTES = 2 << 30
+CPU_MATMUL_PRECISIONS = ("highest", "high")
 CPU_DEFAULT_MAX_BLOCKS = 32768
 
 
@@ -221,6 +222,11 @@ class EngineConfig:
     # batch-invariant serving: a greedy request's tokens and logprobs are the same to the bit whatever
     # shares its batch, the chunk budget, a prefix-cache hit or a preemption (the compiled CPU kernels)
     deterministic: bool = False
+    # the float32 products of the compiled CPU kernels at 64 rows and more (prefill): "highest", one
+    # float32 multiply-add chain per element; "high", where the CPU has AMX-BF16, three bfloat16
+    # products on AMX tiles (~16 bits of each input's mantissa, float32 sums: torch's float32 matmul
+    # precision "high"), elsewhere as "highest". Deterministic mode keeps the float32 chain.
+    cpu_matmul_precision: str = "highest"
     # True: every step runs eagerly. False: on CUDA with the triton attention backend, decode-only steps
     # replay CUDA graphs captured at start (``workers.cuda_graphs``). True by default until the capture
     # has run on a GPU.
@@ -261,6 +267,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.cpu_matmul_precision not in CPU_MATMUL_PRECISIONS:
+            raise ValueError(f"cpu_matmul_precision must be one of {', '.join(CPU_MATMUL_PRECISIONS)}, got "
+                             f"{self.cpu_matmul_precision!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.deterministic and self.attention_backend == "torch":

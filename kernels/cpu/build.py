@@ -46,7 +46,7 @@ NAME = "kvserve_cpu"
 SOURCES = tuple(Path(__file__).parent / name for name in (
     "vec.h", "ops.h", "group_attention.h", "kv_quant.h", "kv_store.h", "attention_checks.h", "paged_attention.cpp",
     "kv_store.cpp", "attention_checks.cpp", "group_attention.cpp",
-    "elementwise.cpp", "linear.cpp", "decoder_stack.cpp", "gemm.h", "gemm.cpp", "threads.cpp", "moe.cpp",
+    "elementwise.cpp", "linear.cpp", "decoder_stack.cpp", "gemm.h", "gemm.cpp", "gemm_amx.cpp", "threads.cpp", "moe.cpp",
     "registration.cpp"))
 _ARM = platform.machine().lower() in ("arm64", "aarch64")
 

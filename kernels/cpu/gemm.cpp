@@ -347,6 +347,16 @@ void pack_panels(const float* b, int64_t k, int64_t n, int64_t row_stride, int64
   });
 }
 
+void advise_huge_pages(float* c, int64_t m, int64_t n, int64_t ldc) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const uintptr_t huge = uintptr_t{1} << 21, begin = (reinterpret_cast<uintptr_t>(c) + huge - 1) & ~(huge - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(c + (m - 1) * ldc + n) & ~(huge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)c, (void)m, (void)n, (void)ldc;
+#endif
+}
+
 void gemm_packed(const float* a, int64_t lda, int64_t m, int64_t k, const float* panels, int64_t n,
                  const float* bias, float* c, int64_t ldc, bool parallel) {
   if (m == 0 || n == 0) return;
@@ -358,18 +368,7 @@ void gemm_packed(const float* a, int64_t lda, int64_t m, int64_t k, const float*
   // blocks out of L2 (2048 rows of 512 x 2816: 163 -> 178 GFLOP/s, 172 -> 186 of 512 x 1536)
   const bool stream = m * n * static_cast<int64_t>(sizeof(float)) > 4 * blocking().l2 &&
                       reinterpret_cast<uintptr_t>(c) % (W * sizeof(float)) == 0 && ldc % W == 0;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  // such an output is mostly freshly allocated (linear's at::empty, mapped anew for every call), and
-  // its first touch here faulted in one 4 KiB page at a time: the 2 MiB pages wholly inside it may be
-  // huge pages instead (where transparent huge pages are on madvise; a hint, nothing else changes).
-  // 2048 rows of 896 x 4864 (a 40 MB output): 140 -> 160 GFLOP/s through linear, 172 into a reused
-  // output; of 2048 x 5632 160 -> 167
-  if (stream) {
-    const uintptr_t huge = uintptr_t{1} << 21, begin = (reinterpret_cast<uintptr_t>(c) + huge - 1) & ~(huge - 1);
-    const uintptr_t end = reinterpret_cast<uintptr_t>(c + (m - 1) * ldc + n) & ~(huge - 1);
-    if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-  }
-#endif
+  if (stream) advise_huge_pages(c, m, n, ldc);
   if (!parallel) return gemm_items(a, lda, m, k, panels, num_panels, bias, c, ldc, stream, blocks, 0, items);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     gemm_items(a, lda, m, k, panels, num_panels, bias, c, ldc, stream, blocks, begin, end);

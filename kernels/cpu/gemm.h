@@ -36,6 +36,26 @@ void pack_panels(const float* b, int64_t k, int64_t n, int64_t row_stride, int64
 void gemm_packed(const float* a, int64_t lda, int64_t m, int64_t k, const float* panels, int64_t n,
                  const float* bias, float* c, int64_t ldc, bool parallel);
 
+// The product in three bfloat16 products (gemm_amx.cpp: ~16 bits of each input's mantissa, float32
+// sums), against a weight split once by split_weight: per panel of kPanel (32) columns, four streams
+// (hi of columns 0-15, hi of 16-31, lo of 0-15, lo of 16-31), each kp / 2 rows of 16 uint32 (the
+// inputs k, k + 1 of a column: k's half in the low 16 bits), kp = k rounded up to 32, zeros past k:
+// [n / 32][4][kp / 2][16] uint32. From kAmxMinRows rows on AMX tiles, fewer rows by float32
+// multiply-adds against the rebuilt weights (hi + lo). Only where amx_usable(): the build targets
+// AMX-BF16 and the OS grants the process the tile state.
+bool amx_usable();
+constexpr int64_t kAmxMinRows = 64;
+void split_weight(const float* w, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, uint32_t* dst);
+void gemm_split(const float* a, int64_t lda, int64_t m, int64_t k, const uint32_t* b, int64_t n, const float* bias,
+                float* c, int64_t ldc, bool parallel);
+
+// A large output c[m, n] (rows ldc apart) is mostly freshly allocated (linear's at::empty, mapped anew
+// for every call), and its first touch faulted in one 4 KiB page at a time: the 2 MiB pages wholly
+// inside it may be huge pages instead (where transparent huge pages are on madvise; a hint, nothing
+// else changes). 2048 rows of 896 x 4864 (a 40 MB output): 140 -> 160 GFLOP/s through linear, 172
+// into a reused output; of 2048 x 5632 160 -> 167.
+void advise_huge_pages(float* c, int64_t m, int64_t n, int64_t ldc);
+
 // Multiply-adds per second (GFLOP/s) on the kernels' vectors, independent chains from registers: the
 // calling thread alone, or every thread of torch's pool at once (parallel; the sum of their rates).
 // Timed on each thread's own CPU clock, so that time the thread spends descheduled (a busy machine)

@@ -170,12 +170,15 @@ void linear_fixed_impl(const float* x, int64_t m, int64_t k, const float* wt, in
 }  // namespace
 
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_split(const at::Tensor& x, const at::Tensor& split, const c10::optional<at::Tensor>& bias);
 
 // F.linear with every output element reduced in one fixed order (see linear_fixed_impl): float32. A
 // weight packed in column panels takes the packed product, whose elements are single in-order
 // chains too (gemm.h): batch-invariant as well, and 1.5-1.9x faster.
 at::Tensor linear_fixed_order(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   if (weight.dim() == 3) return linear_packed(x, weight, bias);
+  TORCH_CHECK(weight.dim() != 4, "a weight split for the bf16x3 product has no fixed-order linear (deterministic "
+              "mode keeps float32 weights)");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "the fixed-order linear takes float32 inputs and weights");
   TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "x and weight do not match");
@@ -215,6 +218,43 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
   return out.view(shape);
 }
 
+// x [.., K] @ split^T (+ bias) for a weight split by split_linear_weight: three bfloat16 products on
+// AMX tiles from kAmxMinRows rows, float32 multiply-adds against the rebuilt weight below (gemm.h).
+at::Tensor linear_split(const at::Tensor& x, const at::Tensor& split, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(split.dim() == 4 && split.size(1) == 4 && split.size(3) == 16 && split.is_contiguous() &&
+                  split.scalar_type() == at::kInt,
+              "a split weight is a contiguous int32 [N / 32, 4, K' / 2, 16] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "the split product takes float32 inputs");
+  const int64_t k = x.size(-1), kp = split.size(2) * 2, n = split.size(0) * kPanel;
+  TORCH_CHECK((k + 31) / 32 * 32 == kp, "x has ", k, " features where the split weight takes ", kp - 31, "-", kp);
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bad bias");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({x2.size(0), n}, x.options());
+  gemm_split(x2.data_ptr<float>(), k, x2.size(0), k, reinterpret_cast<const uint32_t*>(split.data_ptr<int32_t>()), n,
+             bp, out.data_ptr<float>(), n, true);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return out.view(shape);
+}
+
+// out [N / 32, 4, K' / 2, 16] int32 (K' = K rounded up to 32) = weight [N, K] (any strides) split for the
+// bf16x3 product (gemm.h); N a multiple of 32. Only where the AMX product runs (amx_usable).
+void split_linear_weight(const at::Tensor& weight, at::Tensor& out) {
+  TORCH_CHECK(amx_usable(), "the bf16x3 product needs AMX tiles, which this CPU, OS or build does not grant");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "split_linear_weight takes a float32 [N, K] weight");
+  const int64_t n = weight.size(0), k = weight.size(1), kp = (k + 31) / 32 * 32;
+  TORCH_CHECK(kPanel == 32 && n % 32 == 0, "a split weight needs a multiple of 32 output features, not ", n);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kInt && out.dim() == 4 && out.size(0) == n / 32 &&
+                  out.size(1) == 4 && out.size(2) == kp / 2 && out.size(3) == 16,
+              "out must be a contiguous int32 [", n / 32, ", 4, ", kp / 2, ", 16] tensor");
+  split_weight(weight.data_ptr<float>(), n, k, weight.stride(1), weight.stride(0),
+               reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()));
+}
+
 // out [N / panel, K, panel] = weight [N, K] (any strides) in column panels; N a multiple of the panel width.
 void pack_linear_weight(const at::Tensor& weight, at::Tensor& out) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_linear_weight takes a float32 [N, K] weight");
@@ -229,9 +269,10 @@ void pack_linear_weight(const at::Tensor& weight, at::Tensor& out) {
 int64_t linear_panel_width() { return kPanel; }
 
 // F.linear, through linear_split for float32 batches of up to kSplitMaxRows rows; a packed weight
-// through linear_packed.
+// through linear_packed, a split one (cpu_matmul_precision "high") through linear_split.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   if (weight.dim() == 3) return linear_packed(x, weight, bias);
+  if (weight.dim() == 4) return linear_split(x, weight, bias);
   if (x.dim() == 2 && x.size(0) <= kSplitMaxRows && x.scalar_type() == at::kFloat) {
     at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
     if (linear_split(out, x.contiguous(), weight, bias)) return out;

@@ -26,11 +26,14 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_fixed_order(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 void pack_linear_weight(const at::Tensor& weight, at::Tensor& out);
+void split_linear_weight(const at::Tensor& weight, at::Tensor& out);
 int64_t linear_panel_width();
 
 // gemm.cpp: GFLOP/s of multiply-adds on the kernels' vectors: the calling thread alone, or (parallel)
 // every thread of torch's pool at once (their total)
 double fma_peak(int64_t iterations, bool parallel);
+// gemm_amx.cpp: whether the AMX product can run here
+bool amx_usable();
 
 // moe.cpp
 at::Tensor moe_pack_weight(const at::Tensor& weight);

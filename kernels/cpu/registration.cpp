@@ -28,8 +28,10 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_fixed_order(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("pack_linear_weight(Tensor weight, Tensor(a!) out) -> ()");
+  m.def("split_linear_weight(Tensor weight, Tensor(a!) out) -> ()");
   m.def("linear_panel_width() -> int", &linear_panel_width);
   m.def("fma_peak(int iterations, bool parallel=False) -> float", &fma_peak);
+  m.def("amx_usable() -> bool", &amx_usable);
   m.def("moe_pack_weight(Tensor weight) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int expert_start, "
         "int intermediate) -> Tensor");
@@ -48,6 +50,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_fixed_order", &linear_fixed_order);
   m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("split_linear_weight", &split_linear_weight);
   m.impl("moe_pack_weight", &moe_pack_weight);
   m.impl("moe_experts", &moe_experts);
 }

@@ -70,10 +70,24 @@ def _packed_layout(weight: torch.Tensor, layer_ops) -> torch.Tensor:
     return storage
 
 
+def _split_layout(weight: torch.Tensor, layer_ops) -> torch.Tensor:
+    """The matrix split into bfloat16 hi and lo halves for the bf16x3 product, ``[out / 32, 4, in' / 2,
+    16]`` int32 (``in'``: ``in`` rounded up to 32; ``gemm.h``), the same bytes as the float32 matrix."""
+    storage = huge_empty((weight.shape[0] // 32, 4, (weight.shape[1] + 31) // 32 * 16, 16), torch.int32)
+    layer_ops.split_linear_weight(weight, storage)
+    return storage
+
+
 def _relaid(weight: torch.Tensor, layer_ops, layout: str) -> torch.Tensor:
-    if layout == "packed" and weight.dtype == torch.float32 and weight.shape[0] % layer_ops.panel_width == 0:
-        return _packed_layout(weight, layer_ops)
+    if layout in ("packed", "split") and weight.dtype == torch.float32 and weight.shape[0] % layer_ops.panel_width == 0:
+        return _split_layout(weight, layer_ops) if layout == "split" else _packed_layout(weight, layer_ops)
     return _transposed_layout(weight)
+
+
+def matmul_kind(layer_ops, precision: str, deterministic: bool) -> str:
+    """What the float32 linear layers run: "bf16x3" (``precision`` "high" where the CPU grants AMX
+    tiles, not under ``deterministic``, whose products are the fixed float32 chains) or "float32"."""
+    return "bf16x3" if precision == "high" and layer_ops.amx_usable and not deterministic else "float32"
 
 
 def bind_layer_ops(model: nn.Module, ops, deterministic: bool = False) -> None:
@@ -89,13 +103,19 @@ def bind_layer_ops(model: nn.Module, ops, deterministic: bool = False) -> None:
             module.deterministic = deterministic
 
 
-def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False) -> None:
+def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False, precision: str = "highest") -> str:
     """Route ``model``'s norms, gated activations and rotary through ``layer_ops`` and lay its
     linear weights out for the compiled linear (``linear_layout``). Call after the weights are
     loaded. ``deterministic``: the linear layers run batch-invariant products (the packed one, else
-    the fixed-order linear)."""
+    the fixed-order linear). ``precision`` (``cpu_matmul_precision``): "high" splits the packed
+    layout's weights for the bf16x3 product where ``matmul_kind`` allows. Returns ``matmul_kind``."""
     linear = layer_ops.linear_fixed_order if deterministic else layer_ops.linear
+    kind = matmul_kind(layer_ops, precision, deterministic)
     layout = linear_layout()
+    if layout == "packed" and kind == "bf16x3":
+        layout = "split"  # weights whose output features 32 does not divide keep the transposed layout
+    elif kind == "bf16x3":
+        kind = "float32"  # KVSERVE_CPU_LINEAR=blas
     logger.info("CPU linear layers: %s layout", layout)
     for module in model.modules():
         if hasattr(module, "ops"):  # RMSNorm, RotaryEmbedding, gated MLPs: they declare the slot
@@ -117,3 +137,4 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False) -
         for module in model.modules():
             if hasattr(module, "bind_decoder_stack"):
                 module.bind_decoder_stack(layer_ops)
+    return kind

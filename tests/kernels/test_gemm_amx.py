@@ -1,0 +1,118 @@
+"""The bf16x3 product on AMX tiles (``gemm_amx.cpp``, ``cpu_matmul_precision="high"``): a weight split
+once into bfloat16 hi and lo halves, products from 64 rows on AMX tiles and below by float32
+multiply-adds against the rebuilt weight. Against a float64 reference at the widths of real model
+configurations, every row count around the two regimes' edges, 1-8 threads: within bf16x3's error
+(about 2^-16 of each product, a few 1e-5 of the output's scale), each row's bits those it has alone and
+at any number of threads. Runs where the CPU, OS and build grant AMX tiles (Sapphire Rapids and later);
+elsewhere the split is refused, which the AVX2 build's test in test_cpu_build.py checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import load
+from tests.kernels.model_shapes import MODELS
+
+OPS = load()
+pytestmark = pytest.mark.skipif(OPS is None or not OPS.amx_usable(),
+                                reason="this CPU, OS or kernel build grants no AMX tiles")
+AMX_MIN_ROWS = 64
+
+
+def _split(weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    out = torch.empty(n // 32, 4, (k + 31) // 32 * 16, 16, dtype=torch.int32)
+    OPS.split_linear_weight(weight, out)
+    return out
+
+
+class _threads:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self):
+        self.previous = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.previous)
+
+
+def _case(rows: int, k: int, n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen) / k ** 0.5
+    bias = torch.randn(n, generator=gen)
+    return x, weight, bias
+
+
+def _error(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> float:
+    ref = x.double() @ weight.double().T + bias.double()
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+# (k, n) of real layers, not only powers of two: Qwen2-0.5B's qkv (896 -> 1152), down (4864 -> 896),
+# Phi-3's qkv rows (3072 -> 96 heads of 96 = 9216 is large: its o, 3072 -> 3072), OPT's fc1 (768 -> 3072),
+# odd and small depths (33, 100)
+WIDTHS = [(896, 1152), (4864, 896), (768, 3072), (3072, 3072), (33, 64), (100, 96)]
+
+
+@pytest.mark.parametrize("k,n", WIDTHS)
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 63, 64, 65, 130, 257])
+def test_within_bf16x3_error_at_real_widths(rows, k, n):
+    x, weight, bias = _case(rows, k, n)
+    with _threads(2):
+        out = OPS.linear(x, _split(weight), bias)
+    assert out.shape == (rows, n)
+    # measured: 0.9-1.1e-5 from 64 rows (three bfloat16 products), 3-4.5e-6 below (weights rebuilt to
+    # ~16 bits, float32 products); float32's own product 0.3-3.5e-6
+    assert _error(out, x, weight, bias) < (3e-5 if rows >= AMX_MIN_ROWS else 1e-5)
+
+
+def test_the_split_keeps_sixteen_bits_of_each_weight():
+    """A weight whose values have at most 16 significant bits is rebuilt exactly: below 64 rows the
+    product of such weights and small-integer inputs is exact in float32, as float32's own is."""
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randint(-2**15, 2**15, (96, 64), generator=gen).float() * 2.0 ** -10)
+    x = torch.randint(-4, 5, (5, 64), generator=gen).float()
+    out = OPS.linear(x, _split(weight), None)
+    assert torch.equal(out, (x.double() @ weight.double().T).float())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("k,n", [(896, 1152), (2048, 256)])
+def test_rows_do_not_depend_on_the_batch_or_the_threads(threads, k, n):
+    """In each regime a row's bits are those it has alone and at one thread: 300 rows (row blocks of
+    128, a last partial one), any slice of 64 or more of them; 40 rows, any slice of them."""
+    for rows, slices in ((300, [(0, 64), (17, 81), (236, 300), (100, 229)]), (40, [(0, 1), (3, 11), (39, 40)])):
+        x, weight, bias = _case(rows, k, n, seed=threads)
+        split = _split(weight)
+        with _threads(1):
+            want = OPS.linear(x, split, bias)
+        with _threads(threads):
+            assert torch.equal(OPS.linear(x, split, bias), want)
+            for a, b in slices:
+                assert torch.equal(OPS.linear(x[a:b].contiguous(), split, bias), want[a:b]), (rows, a, b)
+
+
+@pytest.mark.parametrize("shape", MODELS, ids=lambda s: s.name)
+def test_every_layer_of_real_models_at_prefill_rows(shape):
+    """Each linear layer of the real configurations (output features a multiple of 32; depths cut to
+    1024 inputs to bound the test's time: the passes of 1024 are covered by WIDTHS' 3072 and 4864)."""
+    for name, (n, k) in shape.linears.items():
+        n, k = min(n, 1024) // 32 * 32, min(k, 1024)
+        x, weight, bias = _case(96, k, n)
+        with _threads(3):
+            assert _error(OPS.linear(x, _split(weight), bias), x, weight, bias) < 3e-5, (shape.name, name)
+
+
+def test_bad_shapes_are_refused_in_one_sentence():
+    weight = torch.randn(64, 100)
+    split = _split(weight)
+    with pytest.raises(RuntimeError, match="takes 97-128"):
+        OPS.linear(torch.randn(3, 64), split, None)
+    with pytest.raises(RuntimeError, match="multiple of 32 output features"):
+        OPS.split_linear_weight(torch.randn(48, 64), torch.empty(1, 4, 32, 16, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="no fixed-order linear"):
+        OPS.linear_fixed_order(torch.randn(3, 100), split, None)
