@@ -222,10 +222,11 @@ class EngineConfig:
     # batch-invariant serving: a greedy request's tokens and logprobs are the same to the bit whatever
     # shares its batch, the chunk budget, a prefix-cache hit or a preemption (the compiled CPU kernels)
     deterministic: bool = False
-    # the float32 products of the compiled CPU kernels at 64 rows and more (prefill): "highest", one
-    # float32 multiply-add chain per element; "high", where the CPU has AMX-BF16, three bfloat16
-    # products on AMX tiles (~16 bits of each input's mantissa, float32 sums: torch's float32 matmul
-    # precision "high"), elsewhere as "highest". Deterministic mode keeps the float32 chain.
+    # the compiled CPU kernels' float32 linear layers: "highest", one float32 multiply-add chain per
+    # element; "high", where the CPU has AMX-BF16, weights split into bfloat16 hi and lo halves (~16 bits
+    # of each mantissa): steps of 64 rows and more as three bfloat16 products on AMX tiles with float32
+    # sums (torch's float32 matmul precision "high"), fewer rows as float32 products against hi + lo;
+    # elsewhere as "highest". Deterministic mode keeps the float32 chain.
     cpu_matmul_precision: str = "highest"
     # True: every step runs eagerly. False: on CUDA with the triton attention backend, decode-only steps
     # replay CUDA graphs captured at start (``workers.cuda_graphs``). True by default until the capture

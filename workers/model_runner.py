@@ -69,7 +69,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per stage layer (pairs repeat when hybrid)
         bind_window_tables(self.model, self.layout, self.stage)
         self.attention_backend, why = select_backend(config.attention_backend, device)
-        self.matmul = "float32"  # the compiled CPU kernels' prefill products: "float32" or "bf16x3"
+        self.matmul = "float32"  # the compiled CPU linear layers' products: "float32" or "bf16x3"
         if config.deterministic and (error := deterministic_error(self.attention_backend, dtype)):
             raise ValueError(error)
         if is_quantized(self.kv_format) and not getattr(self.attention_backend, "supports_quantized_kv", False):
@@ -82,7 +82,7 @@ class ModelRunner:
         elif getattr(self.attention_backend, "fused_ops", None) is not None:
             bind_layer_ops(self.model, self.attention_backend.fused_ops, config.deterministic)
         if tp.is_first_rank:
-            logger.info(why + (f"; prefill products {self.matmul}" if self.attention_backend.layer_ops else "")
+            logger.info(why + (f"; linear products {self.matmul}" if self.attention_backend.layer_ops else "")
                         + ("; deterministic: fixed-order linear and attention, no shared-prefix groups"
                                if config.deterministic else ""))
         sched = config.scheduler

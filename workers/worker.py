@@ -216,7 +216,9 @@ class Worker:
             "kv_heads_replicated": spec.kv_heads_replicated,
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.runner.attention_backend.name,
-            "cpu_matmul": self.runner.matmul,  # the compiled CPU linear's products: "float32" or "bf16x3"
+            # the compiled CPU linear's products: "bf16x3" (cpu_matmul_precision "high" on AMX: the float32
+            # layers whose output features 32 divides; MoE experts stay float32) or "float32"
+            "cpu_matmul": self.runner.matmul,
             "device": str(self.device),
             # decode batch sizes that replay a CUDA graph (none: every step runs eagerly)
             "cuda_graph_sizes": list(self.runner.graphs.sizes) if self.runner.graphs is not None else [],

@@ -14,7 +14,8 @@
 // (128 KiB) stay in L2. Four accumulator tiles hold a 32 x 32 block of c; two tiles hold a's hi or lo
 // rows, two B's hi or lo halves (10 tile loads per 12 TDPBF16PS). Partial sums wait between passes in
 // the item's buffer; the last pass adds the bias and writes c's rows. Fewer than kAmxMinRows rows
-// (decoding) take float32 multiply-adds against the rebuilt weights hi + lo (gemm_split_small).
+// (a decode step of few sequences) take float32 multiply-adds against the rebuilt weights hi + lo
+// (gemm_split_small): every step sees the split weights, and the regime follows the step's rows.
 //
 // Every output element is one fixed sequence: per 32 inputs, in order, the three products in the
 // order above, the rounding inside TDPBF16PS the hardware's; nothing depends on the rows' number or
@@ -27,6 +28,9 @@
 // loop read 540-1700 at other times while the FMA loop held steady: the tile unit's rate there
 // depends on the host. Through linear, 2048 rows of the small presets' shapes ran at 210-310 GFLOP/s
 // (float32 equivalent, one thread) against 150-200 for the float32 product.
+//
+// Non-finite inputs: an infinite x has lo 0, so a product meeting a partner whose own lo is 0 gives
+// NaN (0 x inf) where the float32 product gives an infinity.
 //
 // Built where the compiler targets AMX-BF16 and AVX-512BW (-march=native on Sapphire Rapids and
 // later); used where the kernel also finds Linux granting the process the tile data state.
@@ -79,12 +83,15 @@ void configure_tiles() {
 
 inline __m512i split_hi(__m512 x) { return _mm512_srli_epi32(_mm512_castps_si512(x), 16); }
 // lo = x - hi rounded to bfloat16 (nearest, ties to even), in each lane's low 16 bits
+// (0 where x is infinite or NaN: hi carries it whole, where x - hi would make an infinity NaN)
 inline __m512i split_lo(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i bits = _mm512_castps_si512(x), exponent = _mm512_set1_epi32(0x7F800000);
   const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   const __m512i r = _mm512_castps_si512(_mm512_sub_ps(x, hi));
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(r, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(r, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __m512i lo = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(r, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(bits, exponent), exponent);
+  return _mm512_maskz_mov_epi32(finite, lo);
 }
 
 // Rows [r0, r1) of a (k inputs; rows past m are zeros) -> hi and lo in tile blocks: for each group of 16
@@ -304,9 +311,9 @@ void gemm_split_small(const float* a, int64_t lda, int64_t m, int64_t k, const u
                       const float* bias, float* c, int64_t ldc, bool parallel) {
   const int64_t kp = (k + 31) / 32 * 32, stream = kp / 2 * 16, num_panels = n / kPanel;
   const int64_t tiles = (m + kSmallRows - 1) / kSmallRows;
-  const auto run = [&](int64_t w0, int64_t w1) {
+  const auto run = [&](int64_t w0, int64_t w1) {  // panel major: a panel is read from memory once
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t t = w / num_panels, p = w % num_panels, r0 = t * kSmallRows;
+      const int64_t p = w / tiles, t = w % tiles, r0 = t * kSmallRows;
       const int rows = static_cast<int>(std::min<int64_t>(kSmallRows, m - r0));
       kSmallTiles[rows - 1](a + r0 * lda, lda, k, b + p * 4 * stream, stream, bias ? bias + p * kPanel : nullptr,
                             c + r0 * ldc + p * kPanel, ldc);
@@ -321,6 +328,7 @@ void gemm_split_small(const float* a, int64_t lda, int64_t m, int64_t k, const u
 void gemm_split(const float* a, int64_t lda, int64_t m, int64_t k, const uint32_t* b, int64_t n, const float* bias,
                 float* c, int64_t ldc, bool parallel) {
   TORCH_CHECK(amx_usable(), "a weight split for the AMX product needs a CPU and OS that grant AMX tiles");
+  TORCH_CHECK(k > 0, "the split product needs at least one input feature");
   if (m == 0 || n == 0) return;
   if (m * n * static_cast<int64_t>(sizeof(float)) > (4 << 20)) advise_huge_pages(c, m, n, ldc);
   if (m >= kAmxMinRows) return gemm_amx(a, lda, m, k, b, n, bias, c, ldc, parallel);
@@ -349,10 +357,12 @@ inline float bits_float(uint32_t u) {
   std::memcpy(&x, &u, 4);
   return x;
 }
-// x's hi (its top 16 bits) and lo (x - hi rounded to bfloat16, nearest, ties to even), as split_hi /
+// x's hi (its top 16 bits) and lo (x - hi rounded to bfloat16, nearest, ties to even; 0 for an
+// infinite or NaN x), as split_hi /
 // split_lo compute them 16 lanes at a time
 inline uint32_t hi_half(float x) { return float_bits(x) >> 16; }
 inline uint32_t lo_half(float x) {
+  if ((float_bits(x) & 0x7F800000u) == 0x7F800000u) return 0;  // infinite or NaN: hi carries it
   const uint32_t r = float_bits(x - bits_float(float_bits(x) & 0xFFFF0000u));
   return (r + 0x7FFFu + ((r >> 16) & 1u)) >> 16;
 }

@@ -170,7 +170,7 @@ void linear_fixed_impl(const float* x, int64_t m, int64_t k, const float* wt, in
 }  // namespace
 
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
-at::Tensor linear_split(const at::Tensor& x, const at::Tensor& split, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_bf16x3(const at::Tensor& x, const at::Tensor& split, const c10::optional<at::Tensor>& bias);
 
 // F.linear with every output element reduced in one fixed order (see linear_fixed_impl): float32. A
 // weight packed in column panels takes the packed product, whose elements are single in-order
@@ -220,7 +220,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
 
 // x [.., K] @ split^T (+ bias) for a weight split by split_linear_weight: three bfloat16 products on
 // AMX tiles from kAmxMinRows rows, float32 multiply-adds against the rebuilt weight below (gemm.h).
-at::Tensor linear_split(const at::Tensor& x, const at::Tensor& split, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_bf16x3(const at::Tensor& x, const at::Tensor& split, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(split.dim() == 4 && split.size(1) == 4 && split.size(3) == 16 && split.is_contiguous() &&
                   split.scalar_type() == at::kInt,
               "a split weight is a contiguous int32 [N / 32, 4, K' / 2, 16] tensor");
@@ -269,10 +269,10 @@ void pack_linear_weight(const at::Tensor& weight, at::Tensor& out) {
 int64_t linear_panel_width() { return kPanel; }
 
 // F.linear, through linear_split for float32 batches of up to kSplitMaxRows rows; a packed weight
-// through linear_packed, a split one (cpu_matmul_precision "high") through linear_split.
+// through linear_packed, a split one (cpu_matmul_precision "high") through linear_bf16x3.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   if (weight.dim() == 3) return linear_packed(x, weight, bias);
-  if (weight.dim() == 4) return linear_split(x, weight, bias);
+  if (weight.dim() == 4) return linear_bf16x3(x, weight, bias);
   if (x.dim() == 2 && x.size(0) <= kSplitMaxRows && x.scalar_type() == at::kFloat) {
     at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
     if (linear_split(out, x.contiguous(), weight, bias)) return out;

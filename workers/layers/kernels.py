@@ -72,7 +72,8 @@ def _packed_layout(weight: torch.Tensor, layer_ops) -> torch.Tensor:
 
 def _split_layout(weight: torch.Tensor, layer_ops) -> torch.Tensor:
     """The matrix split into bfloat16 hi and lo halves for the bf16x3 product, ``[out / 32, 4, in' / 2,
-    16]`` int32 (``in'``: ``in`` rounded up to 32; ``gemm.h``), the same bytes as the float32 matrix."""
+    16]`` int32 (``in'``: ``in`` rounded up to 32; ``gemm.h``), the float32 matrix's bytes where 32
+    divides ``in``."""
     storage = huge_empty((weight.shape[0] // 32, 4, (weight.shape[1] + 31) // 32 * 16, 16), torch.int32)
     layer_ops.split_linear_weight(weight, storage)
     return storage
