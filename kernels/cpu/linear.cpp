@@ -169,6 +169,24 @@ void linear_fixed_impl(const float* x, int64_t m, int64_t k, const float* wt, in
 
 }  // namespace
 
+namespace {
+
+// The bias' data (float32, n elements, contiguous), or null where there is none.
+const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bad bias");
+  return bias->data_ptr<float>();
+}
+
+// out [rows, n] viewed as x's leading dimensions by n.
+at::Tensor shaped_like(const at::Tensor& out, const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return out.view(shape);
+}
+
+}  // namespace
+
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_bf16x3(const at::Tensor& x, const at::Tensor& split, const c10::optional<at::Tensor>& bias);
 
@@ -186,16 +204,10 @@ at::Tensor linear_fixed_order(const at::Tensor& x, const at::Tensor& weight, con
   // the transpose of a contiguous [in, out] matrix (the layout workers/layers/kernels.py gives), else a copy of it
   const at::Tensor wt = weight.stride(0) == 1 && weight.stride(1) == n ? weight.t() : weight.t().contiguous();
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bad bias");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, n);
   at::Tensor out = at::empty({x2.size(0), n}, x.options());
   linear_fixed_impl(x2.data_ptr<float>(), x2.size(0), k, wt.data_ptr<float>(), n, n, bp, out.data_ptr<float>());
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return out.view(shape);
+  return shaped_like(out, x, n);
 }
 
 // x [.., K] @ packed^T (+ bias) for a weight packed by pack_linear_weight.
@@ -206,16 +218,10 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t k = packed.size(1), n = packed.size(0) * kPanel;
   TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " features where the packed weight takes ", k);
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bad bias");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, n);
   at::Tensor out = at::empty({x2.size(0), n}, x.options());
   gemm_packed(x2.data_ptr<float>(), k, x2.size(0), k, packed.data_ptr<float>(), n, bp, out.data_ptr<float>(), n, true);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return out.view(shape);
+  return shaped_like(out, x, n);
 }
 
 // x [.., K] @ split^T (+ bias) for a weight split by split_linear_weight: three bfloat16 products on
@@ -228,17 +234,11 @@ at::Tensor linear_bf16x3(const at::Tensor& x, const at::Tensor& split, const c10
   const int64_t k = x.size(-1), kp = split.size(2) * 2, n = split.size(0) * kPanel;
   TORCH_CHECK((k + 31) / 32 * 32 == kp, "x has ", k, " features where the split weight takes ", kp - 31, "-", kp);
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bad bias");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, n);
   at::Tensor out = at::empty({x2.size(0), n}, x.options());
   gemm_split(x2.data_ptr<float>(), k, x2.size(0), k, reinterpret_cast<const uint32_t*>(split.data_ptr<int32_t>()), n,
              bp, out.data_ptr<float>(), n, true);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return out.view(shape);
+  return shaped_like(out, x, n);
 }
 
 // out [N / 32, 4, K' / 2, 16] int32 (K' = K rounded up to 32) = weight [N, K] (any strides) split for the
