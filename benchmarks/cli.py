@@ -166,6 +166,7 @@ def _offline_round(model: str, instances: list[tuple[str, object]], systems: lis
             settings["deterministic"] = True
         if is_vllm:
             settings["block_size"] = VLLM_BLOCK_SIZE
+            del settings["cpu_matmul_precision"]  # kvserve's; vLLM runs float32 products
         spec = make_spec(system, model, vllm_threads if is_vllm else threads, instances, settings,
                          {"hf_batch_size": hf_batch_size, "hf_cb": hf_cb or {}, "log_stats": vllm_log_stats})
         try:
