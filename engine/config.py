@@ -142,8 +142,9 @@ class ModelConfig:
 # whichever is less, and at most this many blocks (a pool beyond it only grows the prefix cache, at Python
 # cost); what each rank reserves from Ray's ``memory`` (cluster.memory_plan.default_kv_bytes)
 CPU_DEFAULT_KV_BYTES = 2 << 30
-CPU_MATMUL_PRECISIONS = ("highest", "high")
 CPU_DEFAULT_MAX_BLOCKS = 32768
+# EngineConfig.cpu_matmul_precision's values
+CPU_MATMUL_PRECISIONS = ("highest", "high")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch
 
 from kernels.cpu import load
 from tests.kernels.model_shapes import MODELS
+from tests.kernels.test_cpu_envelope import threads
 
 OPS = load()
 pytestmark = pytest.mark.skipif(OPS is None or not OPS.amx_usable(),
@@ -25,18 +26,6 @@ def _split(weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n // 32, 4, (k + 31) // 32 * 16, 16, dtype=torch.int32)
     OPS.split_linear_weight(weight, out)
     return out
-
-
-class _threads:
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __enter__(self):
-        self.previous = torch.get_num_threads()
-        torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.previous)
 
 
 def _case(rows: int, k: int, n: int, seed: int = 0):
@@ -62,7 +51,7 @@ WIDTHS = [(896, 1152), (4864, 896), (768, 3072), (3072, 3072), (33, 64), (100, 9
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 63, 64, 65, 130, 257])
 def test_within_bf16x3_error_at_real_widths(rows, k, n):
     x, weight, bias = _case(rows, k, n)
-    with _threads(2):
+    with threads(2):
         out = OPS.linear(x, _split(weight), bias)
     assert out.shape == (rows, n)
     # measured: 0.9-1.1e-5 from 64 rows (three bfloat16 products), 3-4.5e-6 below (weights rebuilt to
@@ -80,17 +69,17 @@ def test_the_split_keeps_sixteen_bits_of_each_weight():
     assert torch.equal(out, (x.double() @ weight.double().T).float())
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("k,n", [(896, 1152), (2048, 256)])
-def test_rows_do_not_depend_on_the_batch_or_the_threads(threads, k, n):
+def test_rows_do_not_depend_on_the_batch_or_the_threads(num_threads, k, n):
     """In each regime a row's bits are those it has alone and at one thread: 300 rows (row blocks of
     128, a last partial one), any slice of 64 or more of them; 40 rows, any slice of them."""
     for rows, slices in ((300, [(0, 64), (17, 81), (236, 300), (100, 229)]), (40, [(0, 1), (3, 11), (39, 40)])):
-        x, weight, bias = _case(rows, k, n, seed=threads)
+        x, weight, bias = _case(rows, k, n, seed=num_threads)
         split = _split(weight)
-        with _threads(1):
+        with threads(1):
             want = OPS.linear(x, split, bias)
-        with _threads(threads):
+        with threads(num_threads):
             assert torch.equal(OPS.linear(x, split, bias), want)
             for a, b in slices:
                 assert torch.equal(OPS.linear(x[a:b].contiguous(), split, bias), want[a:b]), (rows, a, b)
@@ -103,7 +92,7 @@ def test_every_layer_of_real_models_at_prefill_rows(shape):
     for name, (n, k) in shape.linears.items():
         n, k = min(n, 1024) // 32 * 32, min(k, 1024)
         x, weight, bias = _case(96, k, n)
-        with _threads(3):
+        with threads(3):
             assert _error(OPS.linear(x, _split(weight), bias), x, weight, bias) < 3e-5, (shape.name, name)
 
 

@@ -85,12 +85,6 @@ def _relaid(weight: torch.Tensor, layer_ops, layout: str) -> torch.Tensor:
     return _transposed_layout(weight)
 
 
-def matmul_kind(layer_ops, precision: str, deterministic: bool) -> str:
-    """What the float32 linear layers run: "bf16x3" (``precision`` "high" where the CPU grants AMX
-    tiles, not under ``deterministic``, whose products are the fixed float32 chains) or "float32"."""
-    return "bf16x3" if precision == "high" and layer_ops.amx_usable and not deterministic else "float32"
-
-
 def bind_layer_ops(model: nn.Module, ops, deterministic: bool = False) -> None:
     """Route ``model``'s norms, gated activations and rotary through ``ops`` (e.g. the Triton
     backend's ``fused_ops``), leaving the weights and the layer stack as they are;
@@ -109,14 +103,13 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False, p
     linear weights out for the compiled linear (``linear_layout``). Call after the weights are
     loaded. ``deterministic``: the linear layers run batch-invariant products (the packed one, else
     the fixed-order linear). ``precision`` (``cpu_matmul_precision``): "high" splits the packed
-    layout's weights for the bf16x3 product where ``matmul_kind`` allows. Returns ``matmul_kind``."""
+    layout's weights for the bf16x3 product where the CPU grants AMX tiles, except under
+    ``deterministic`` (its products are the fixed float32 chains). Returns what the float32 linear
+    layers run: "bf16x3" or "float32"."""
     linear = layer_ops.linear_fixed_order if deterministic else layer_ops.linear
-    kind = matmul_kind(layer_ops, precision, deterministic)
     layout = linear_layout()
-    if layout == "packed" and kind == "bf16x3":
+    if layout == "packed" and precision == "high" and layer_ops.amx_usable and not deterministic:
         layout = "split"  # weights whose output features 32 does not divide keep the transposed layout
-    elif kind == "bf16x3":
-        kind = "float32"  # KVSERVE_CPU_LINEAR=blas
     logger.info("CPU linear layers: %s layout", layout)
     for module in model.modules():
         if hasattr(module, "ops"):  # RMSNorm, RotaryEmbedding, gated MLPs: they declare the slot
@@ -138,4 +131,4 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False, p
         for module in model.modules():
             if hasattr(module, "bind_decoder_stack"):
                 module.bind_decoder_stack(layer_ops)
-    return kind
+    return "bf16x3" if layout == "split" else "float32"
