@@ -11,6 +11,7 @@ import socket
 import ray
 
 from engine.config import EngineConfig
+from engine.executor import RankRaised
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 from workers.model_source import localize
 
@@ -53,6 +54,14 @@ class WorkerActor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_model_in_graph(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | RankRaised | None:
+        """``execute_model`` in the compiled graph: what the step raised is the rank's answer, so that the
+        driver reads every rank's and names the earliest stage's error (``WorkerGroup._get_compiled``)."""
+        try:
+            return self.worker.execute_model(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - the driver fails the step with it
+            return RankRaised.of(exc)
 
     def kv_cache_info(self) -> dict:
         return self.worker.kv_cache_info()

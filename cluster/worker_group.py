@@ -31,7 +31,7 @@ from cluster.ray_env import cluster_has_gpus
 from cluster.scheduler_actor import task_events_enabled
 from cluster.worker_actor import WorkerActor
 from engine.config import EngineConfig
-from engine.executor import StepFailedError, UpstreamStageFailed, WorkerFailedError
+from engine.executor import RankRaised, StepFailedError, UpstreamStageFailed, WorkerFailedError
 from engine.messages import ModelRunnerOutput, SchedulerOutput, StageTiming
 
 POLL_S = 1.0  # how often a step waiting on the ranks checks whether one of them has died
@@ -48,8 +48,7 @@ def raised_inside(exc: BaseException) -> BaseException | None:
 
 
 def step_failed(cause: BaseException, ranks_stuck: bool = False) -> StepFailedError:
-    message = str(cause).strip().splitlines()
-    return StepFailedError(type(cause).__name__, message[0][:200] if message else "", ranks_stuck)
+    return RankRaised.of(cause).error(ranks_stuck)
 
 
 def rank_config(config: EngineConfig) -> EngineConfig:
@@ -235,7 +234,7 @@ class WorkerGroup:
             from ray.dag import InputNode, MultiOutputNode
 
             with InputNode() as plan:
-                dag = MultiOutputNode([a.execute_model.bind(plan) for a in self.actors])
+                dag = MultiOutputNode([a.execute_model_in_graph.bind(plan) for a in self.actors])
             # as many executions out as the engine keeps in flight (Ray's channels then hold one
             # buffer per execution; its default would be 10)
             self._compiled = dag.experimental_compile(_max_inflight_executions=self.max_in_flight)
@@ -245,9 +244,10 @@ class WorkerGroup:
         """Every rank's answer to one execution of the compiled graph (executions are answered in the
         order they were sent). RuntimeError where an earlier read of it was interrupted: its answers
         can be read once, so they are lost, and the engine rebuilds the ranks (not held against the
-        restart budget). A stage that raised before sending its activations has told the later stages
-        (``UpstreamStageFailed``): every rank answers, and the answers are read in rank order, so the
-        error raised is the earliest stage's."""
+        restart budget). A rank that raised answers ``RankRaised`` (Ray's reader, given a raised error,
+        returns the first one it happens to read and drops the other ranks' answers, which may leave a
+        later stage's ``UpstreamStageFailed`` as the step's cause): the step fails with the error of the
+        earliest rank that raised anything but that echo."""
         if step.reading:
             raise RuntimeError("a step's answer from the compiled graph was lost: its read was interrupted")
         step.reading = True
@@ -259,6 +259,9 @@ class WorkerGroup:
                 raise step_failed(cause) from cause
             raise WorkerFailedError(f"a tensor-parallel rank failed: {exc}") from exc
         step.reading = False
+        raised = [r for r in results if isinstance(r, RankRaised)]
+        if raised:
+            raise next((r for r in raised if not r.upstream), raised[0]).error()
         return results
 
     def kv_cache_info(self) -> list[dict]:

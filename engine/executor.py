@@ -3,6 +3,7 @@ them at module level: ``engine`` stays free of torch and ray."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from abc import ABC, abstractmethod
 
@@ -37,6 +38,29 @@ class UpstreamStageFailed(RuntimeError):
     (``workers.parallel_state.PipelineStage``): this stage ran none of the step's layers (its batch was
     prepared; earlier stages may have written their layers' KV, which the step's rollback leaves
     unregistered); that stage's error is the step's cause."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankRaised:
+    """What a rank raised in a step, as the rank's answer (the compiled graph's ranks return it rather
+    than raise: ``cluster.worker_actor.WorkerActor.execute_model_in_graph``): the exception's type and the
+    first line of its message."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> RankRaised:
+        lines = str(exc).strip().splitlines()
+        return cls(type(exc).__name__, lines[0][:200] if lines else "")
+
+    @property
+    def upstream(self) -> bool:
+        """An echo: an earlier pipeline stage failed the step (``UpstreamStageFailed``)."""
+        return self.kind == UpstreamStageFailed.__name__
+
+    def error(self, ranks_stuck: bool = False) -> StepFailedError:
+        return StepFailedError(self.kind, self.message, ranks_stuck)
 
 
 class Executor(ABC):
