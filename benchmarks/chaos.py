@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -89,22 +88,17 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
 # --- the app -------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_app(model: str | None, tensor_parallel_size: int, **extra) -> str:
     """A fresh local Ray cluster with this machine's CPUs, Serve on a free port, the app; its URL."""
     import ray
     from ray import serve
 
+    from cluster.serve_env import free_port
     from serve_app import build_app, serve_env
 
     serve_env()  # Serve's settings, in this process before Ray starts, as `serve run serve_app:app` has them
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"model": model, "served_model_name": MODEL_NAME, "tensor_parallel_size": tensor_parallel_size,
             "max_num_seqs": 16, **extra}

@@ -87,10 +87,11 @@ def _ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
-def _free_port() -> str:
-    """A port free now, below the kernel's ephemeral range where it can: HAProxy binds it seconds later,
-    once Serve starts, and a port the kernel hands out for outgoing connections (Ray opens many) could
-    be taken by one in between (a suite run met "Address already in use" so)."""
+def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range where it can: for a server that binds it
+    seconds later (HAProxy or Serve's proxy, once Serve starts), since a port the kernel hands out for
+    outgoing connections (Ray opens many) could be taken by one in between (suite runs met "Address
+    already in use" so)."""
     low = _ephemeral_ports()[0]
     rng = random.SystemRandom()
     for _ in range(64 if low > 11000 else 0):
@@ -100,10 +101,10 @@ def _free_port() -> str:
                 sock.bind(("", port))
             except OSError:
                 continue
-            return str(port)
+            return port
     with socket.socket() as sock:
         sock.bind(("", 0))
-        return str(sock.getsockname()[1])
+        return sock.getsockname()[1]
 
 
 def cluster_env() -> dict[str, str]:
@@ -111,7 +112,7 @@ def cluster_env() -> dict[str, str]:
     (with free ports for its exporter and stats page), off elsewhere; the node health tolerance."""
     if not haproxy_found():
         return {HA_PROXY: "0", **NODE_ENV}
-    return {**CLUSTER_ENV, **{key: _free_port() for key in HAPROXY_PORTS}, **NODE_ENV}
+    return {**CLUSTER_ENV, **{key: str(free_port()) for key in HAPROXY_PORTS}, **NODE_ENV}
 
 
 def effective_serve_env(set_here: bool) -> dict[str, str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import types
 
@@ -16,6 +15,7 @@ import pytest
 
 from benchmarks import online_vllm, server_process
 from benchmarks.online_vllm import add_bench_online_vllm_arguments, bench_online_vllm, format_online_report
+from cluster.serve_env import free_port
 
 FAKE_VLLM = """\
 #!{python}
@@ -61,12 +61,6 @@ def cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:  # gone meanwhile
         return b""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()

@@ -4,18 +4,13 @@ HTTP and gRPC proxies on free ports, helpers to read /metrics."""
 from __future__ import annotations
 
 import re
-import socket
 import time
 
 import httpx
 
+from cluster.serve_env import free_port
+
 SERVICER = "api.kvserve_pb2_grpc.add_KVServeServicer_to_server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_serve(num_cpus: int = 8) -> tuple[str, str]:
