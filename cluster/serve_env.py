@@ -78,6 +78,9 @@ def haproxy_found() -> bool:
     return shutil.which("haproxy") is not None
 
 
+RAY_WORKER_PORTS_END = 19999  # the top of Ray's default worker port range (`ray start --max-worker-port`)
+
+
 def _ephemeral_ports() -> tuple[int, int]:
     """The kernel's range of local ports for outgoing connections."""
     try:
@@ -88,14 +91,15 @@ def _ephemeral_ports() -> tuple[int, int]:
 
 
 def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range where it can: for a server that binds it
-    seconds later (HAProxy or Serve's proxy, once Serve starts), since a port the kernel hands out for
-    outgoing connections (Ray opens many) could be taken by one in between (suite runs met "Address
-    already in use" so)."""
+    """A port free now, between Ray's worker ports (10002-19999 by default, which `ray start` also
+    refuses for its other components) and the kernel's ephemeral range where it can: for a server that
+    binds it seconds later (HAProxy or Serve's proxy, once Serve starts), since a port the kernel hands
+    out for outgoing connections (Ray opens many) could be taken by one in between (suite runs met
+    "Address already in use" so)."""
     low = _ephemeral_ports()[0]
     rng = random.SystemRandom()
-    for _ in range(64 if low > 11000 else 0):
-        port = rng.randrange(10000, low)
+    for _ in range(64 if low > RAY_WORKER_PORTS_END + 1000 else 0):
+        port = rng.randrange(RAY_WORKER_PORTS_END + 1, low)
         with socket.socket() as sock:
             try:
                 sock.bind(("", port))

@@ -111,3 +111,16 @@ def test_a_local_cluster_outlives_a_raylet_stalled_for_40_seconds():
     out = subprocess.run([sys.executable, "-c", STALLED_RAYLET], env={**env, "RAY_AUTH_MODE": "disabled"},
                          capture_output=True, text=True, timeout=180, cwd=os.path.dirname(serve_app.__file__))
     assert out.stdout.strip().splitlines()[-1:] == ["ALIVE"], out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_free_ports_lie_between_rays_worker_ports_and_the_ephemeral_range():
+    """A port for a server that binds it later (Serve's proxy, HAProxy, `ray start --port`): not one the
+    kernel may hand an outgoing connection meanwhile, and not in Ray's worker port range (which `ray
+    start` refuses for its other components: "worker_ports is trying to use a port number ...")."""
+    from cluster.serve_env import RAY_WORKER_PORTS_END, _ephemeral_ports, free_port
+
+    low = _ephemeral_ports()[0]
+    assert low > RAY_WORKER_PORTS_END + 1000  # this machine has room for them
+    ports = {free_port() for _ in range(50)}
+    assert all(RAY_WORKER_PORTS_END < port < low for port in ports)
+    assert len(ports) > 40  # drawn at random: parallel tests rarely pick the same one
