@@ -136,7 +136,8 @@ def default_kv_bytes(block: int, node_memory: list[float] | None) -> int:
 def activation_bytes(config: EngineConfig, elem: int) -> int:
     """A CPU rank's step activations beyond what ``RANK_RUNTIME_BYTES`` holds: a budget of batched tokens
     times its widest rows (the MLP's gate and up outputs and their product, its experts' for the tokens'
-    top-k; the attention projections and the residual), in the model's dtype. (A PP 2 rank of the llama
+    top-k; the attention projections and the residual), in the model's dtype, and under the bf16x3 product
+    (``cpu_matmul_precision="high"``) its split copy of the rows. (A PP 2 rank of the llama
     `1b` shape cut to 8 layers once held 824 MB beyond its weights and pool, against the 805 MB reserved
     before this term; the qwen3 `small` preset's ranks hold 470-530 MB.)"""
     hf = config.model.hf_config
@@ -144,7 +145,14 @@ def activation_bytes(config: EngineConfig, elem: int) -> int:
     inter = int(hf.get("intermediate_size") or hf.get("ffn_dim") or 4 * hidden)
     per_expert = int(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0)
     experts = per_expert * int(hf.get("num_experts_per_tok") or 0)
-    width = 3 * max(inter, experts) // config.parallel.tensor_parallel_size + 4 * hidden
+    tp = config.parallel.tensor_parallel_size
+    width = 3 * max(inter, experts) // tp + 4 * hidden
+    if config.cpu_matmul_precision == "high" and elem == 4:
+        # the bf16x3 product's hi / lo copy of a step's rows (gemm_amx.cpp, kept by the engine's thread):
+        # 4 bytes per row and input of the widest linear (the down projection's, the attention output's)
+        heads = int(hf.get("num_attention_heads") or 1)
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        width += max(hidden, inter // tp, heads * head_dim // tp)
     return config.scheduler.max_num_batched_tokens * width * elem
 
 

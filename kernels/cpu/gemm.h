@@ -38,9 +38,9 @@ void gemm_packed(const float* a, int64_t lda, int64_t m, int64_t k, const float*
 
 // The product in three bfloat16 products (gemm_amx.cpp: ~16 bits of each input's mantissa, float32
 // sums), against a weight split once by split_weight: per panel of kPanel (32) columns, four streams
-// (hi of columns 0-15, hi of 16-31, lo of 0-15, lo of 16-31), each kp / 2 rows of 16 uint32 (the
-// inputs k, k + 1 of a column: k's half in the low 16 bits), kp = k rounded up to 32, zeros past k:
-// [n / 32][4][kp / 2][16] uint32. From kAmxMinRows rows on AMX tiles, fewer rows by float32
+// (hi of columns 0-15, hi of 16-31, lo of 0-15, lo of 16-31), each k / 2 rows of 16 uint32 (the
+// inputs i, i + 1 of a column: i's half in the low 16 bits), k a multiple of 32: [n / 32][4][k / 2][16]
+// uint32. From kAmxMinRows rows on AMX tiles, fewer rows by float32
 // multiply-adds against the rebuilt weights (hi + lo). Only where amx_usable(): the build targets
 // AMX-BF16 and the OS grants the process the tile state.
 bool amx_usable();

@@ -29,6 +29,9 @@
 // depends on the host. Through linear, 2048 rows of the small presets' shapes ran at 210-310 GFLOP/s
 // (float32 equivalent, one thread) against 150-200 for the float32 product.
 //
+// The weight's and a's inputs come in whole blocks of 32 (the layers whose input width 32 does not
+// divide keep the float32 product), so no pass reads padding.
+//
 // Non-finite inputs: an infinite x has lo 0, so a product meeting a partner whose own lo is 0 gives
 // NaN (0 x inf) where the float32 product gives an infinity.
 //
@@ -43,7 +46,6 @@
 #include <array>
 #include <utility>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
@@ -94,18 +96,21 @@ inline __m512i split_lo(__m512 x) {
   return _mm512_maskz_mov_epi32(finite, lo);
 }
 
+// A split weight of k inputs: per panel four streams (hi of columns 0-15, of 16-31, lo of 0-15, of
+// 16-31) of k / 2 words of 16 columns (gemm.h).
+inline int64_t split_stream(int64_t k) { return k / 2 * 16; }
+
 // Rows [r0, r1) of a (k inputs; rows past m are zeros) -> hi and lo in tile blocks: for each group of 16
-// rows g and each 32 inputs j, a contiguous [16][32] block at ((g * kp / 32) + j) * 512, zeros past k.
-// A tile is then one contiguous KiB, as B's are: the loads stream, where rows kp * 2 bytes apart held
-// the tiles back (each of 16 lines its own stream for the prefetchers).
-void split_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, int64_t m, int64_t k, int64_t kp,
-                uint16_t* hi, uint16_t* lo) {
+// rows g and each 32 inputs j, a contiguous [16][32] block at ((g * k / 32) + j) * 512. A tile is then
+// one contiguous KiB, as B's are: the loads stream, where rows k * 2 bytes apart held the tiles back
+// (each of 16 lines its own stream for the prefetchers).
+void split_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, int64_t m, int64_t k, uint16_t* hi,
+                uint16_t* lo) {
   for (int64_t i = r0; i < r1; ++i) {
-    const int64_t base = (i / 16) * (kp / 32) * 512 + (i % 16) * 32;
+    const int64_t base = (i / 16) * (k / 32) * 512 + (i % 16) * 32;
     const float* row = a + i * lda;
-    for (int64_t j = 0; j < kp; j += 16) {
-      const __mmask16 mask = i >= m || j >= k ? __mmask16(0) : j + 16 <= k ? __mmask16(0xFFFF) : __mmask16((1u << (k - j)) - 1);
-      const __m512 x = _mm512_maskz_loadu_ps(mask, row + j);
+    for (int64_t j = 0; j < k; j += 16) {
+      const __m512 x = i < m ? _mm512_loadu_ps(row + j) : _mm512_setzero_ps();
       const int64_t at = base + (j / 32) * 512 + j % 32;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + at), _mm512_cvtepi32_epi16(split_hi(x)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + at), _mm512_cvtepi32_epi16(split_lo(x)));
@@ -124,10 +129,10 @@ inline void prefetch_kib(const void* p) {
 // 32); start: the block starts from zero. Per 32 inputs, 10 tile loads (a's hi, B's hi: hi . hi; B's lo:
 // hi . lo; a's lo, B's hi again: lo . hi) for 12 products; the 8 KiB of the 32 inputs after the next
 // are fetched into L1 among them.
-void block(const uint16_t* ahi, const uint16_t* alo, int64_t kp, const uint32_t* bp, int64_t stream, int64_t k0,
+void block(const uint16_t* ahi, const uint16_t* alo, int64_t k, const uint32_t* bp, int64_t stream, int64_t k0,
            int64_t k1, float* sum, int64_t ld, bool start) {
   constexpr int64_t kTile = 64;  // bytes per tile row
-  const int64_t group = kp / 32 * 512, ldc = ld * 4;  // a's second 16 rows, in uint16
+  const int64_t group = k / 32 * 512, ldc = ld * 4;  // a's second 16 rows, in uint16
   if (start) {
     _tile_zero(0);
     _tile_zero(1);
@@ -207,18 +212,18 @@ namespace {
 
 void gemm_amx(const float* a, int64_t lda, int64_t m, int64_t k, const uint32_t* b, int64_t n, const float* bias,
               float* c, int64_t ldc, bool parallel) {
-  const int64_t kp = (k + 31) / 32 * 32, mp = (m + 31) / 32 * 32, num_panels = n / kPanel;
-  const int64_t stream = kp / 2 * 16, panel_words = 4 * stream;
+  const int64_t mp = (m + 31) / 32 * 32, num_panels = n / kPanel, stream = split_stream(k);
+  // (the calling thread's, kept: 4 bytes per row and input, as a itself; cluster/memory_plan.py counts it)
   thread_local std::vector<uint16_t> a_split;
-  if (a_split.size() < static_cast<size_t>(2 * mp * kp)) a_split.resize(2 * mp * kp);
-  uint16_t *ahi = a_split.data(), *alo = ahi + mp * kp;
-  const auto split_a = [&](int64_t b0, int64_t b1) { split_rows(a, lda, b0 * 32, b1 * 32, m, k, kp, ahi, alo); };
+  if (a_split.size() < static_cast<size_t>(2 * mp * k)) a_split.resize(2 * mp * k);
+  uint16_t *ahi = a_split.data(), *alo = ahi + mp * k;
+  const auto split_a = [&](int64_t b0, int64_t b1) { split_rows(a, lda, b0 * 32, b1 * 32, m, k, ahi, alo); };
   if (parallel)
     at::parallel_for(0, mp / 32, 1, split_a);
   else
     split_a(0, mp / 32);
-  const int64_t passes = (kp + kPassDepth - 1) / kPassDepth;
-  const int64_t depth = (kp / 32 + passes - 1) / passes * 32;
+  const int64_t passes = (k + kPassDepth - 1) / kPassDepth;
+  const int64_t depth = (k / 32 + passes - 1) / passes * 32;
   const int64_t chunk = std::max<int64_t>(1, std::min({num_panels, kChunkPanels, kChunkBytes / (depth * 128)}));
   const int64_t row_blocks = (mp + kRowBlock - 1) / kRowBlock, chunks = (num_panels + chunk - 1) / chunk;
   const auto run = [&](int64_t w0, int64_t w1) {
@@ -230,11 +235,11 @@ void gemm_amx(const float* a, int64_t lda, int64_t m, int64_t k, const uint32_t*
       const int64_t rb = w / chunks, q = w % chunks;
       const int64_t r0 = rb * kRowBlock, r1 = std::min(mp, r0 + kRowBlock);
       const int64_t p0 = q * chunk, p1 = std::min(num_panels, p0 + chunk);
-      for (int64_t k0 = 0; k0 < kp; k0 += depth) {
-        const int64_t k1 = std::min(kp, k0 + depth);
+      for (int64_t k0 = 0; k0 < k; k0 += depth) {
+        const int64_t k1 = std::min(k, k0 + depth);
         for (int64_t r = r0; r < r1; r += 32)
           for (int64_t p = p0; p < p1; ++p)
-            block(ahi + r * kp, alo + r * kp, kp, b + p * panel_words, stream, k0, k1,
+            block(ahi + r * k, alo + r * k, k, b + p * 4 * stream, stream, k0, k1,
                   sums.data() + (r - r0) * width + (p - p0) * kPanel, width, k0 == 0);
       }
       const int64_t cols = (p1 - p0) * kPanel;
@@ -280,17 +285,13 @@ void small_tile(const float* a, int64_t lda, int64_t k, const uint32_t* b, int64
     const __m512i l0 = _mm512_loadu_si512(w + 2 * stream), l1 = _mm512_loadu_si512(w + 3 * stream);
     const __m512 e0 = _mm512_add_ps(even(h0), even(l0)), e1 = _mm512_add_ps(even(h1), even(l1));
     const __m512 o0 = _mm512_add_ps(odd(h0), odd(l0)), o1 = _mm512_add_ps(odd(h1), odd(l1));
-    const bool pair = i + 1 < k;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * lda + i]);
+      const __m512 x = _mm512_set1_ps(a[r * lda + i]), y = _mm512_set1_ps(a[r * lda + i + 1]);
       acc0[r] = _mm512_fmadd_ps(x, e0, acc0[r]);
       acc1[r] = _mm512_fmadd_ps(x, e1, acc1[r]);
-      if (pair) {
-        const __m512 y = _mm512_set1_ps(a[r * lda + i + 1]);
-        acc0[r] = _mm512_fmadd_ps(y, o0, acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(y, o1, acc1[r]);
-      }
+      acc0[r] = _mm512_fmadd_ps(y, o0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(y, o1, acc1[r]);
     }
   }
 #pragma GCC unroll 8
@@ -309,7 +310,7 @@ constexpr auto kSmallTiles = make_small(std::make_integer_sequence<int, kSmallRo
 
 void gemm_split_small(const float* a, int64_t lda, int64_t m, int64_t k, const uint32_t* b, int64_t n,
                       const float* bias, float* c, int64_t ldc, bool parallel) {
-  const int64_t kp = (k + 31) / 32 * 32, stream = kp / 2 * 16, num_panels = n / kPanel;
+  const int64_t stream = split_stream(k), num_panels = n / kPanel;
   const int64_t tiles = (m + kSmallRows - 1) / kSmallRows;
   const auto run = [&](int64_t w0, int64_t w1) {  // panel major: a panel is read from memory once
     for (int64_t w = w0; w < w1; ++w) {
@@ -328,16 +329,44 @@ void gemm_split_small(const float* a, int64_t lda, int64_t m, int64_t k, const u
 void gemm_split(const float* a, int64_t lda, int64_t m, int64_t k, const uint32_t* b, int64_t n, const float* bias,
                 float* c, int64_t ldc, bool parallel) {
   TORCH_CHECK(amx_usable(), "a weight split for the AMX product needs a CPU and OS that grant AMX tiles");
-  TORCH_CHECK(k > 0, "the split product needs at least one input feature");
+  TORCH_CHECK(k > 0 && k % 32 == 0, "the split product takes a positive multiple of 32 input features, not ", k);
   if (m == 0 || n == 0) return;
   if (m * n * static_cast<int64_t>(sizeof(float)) > (4 << 20)) advise_huge_pages(c, m, n, ldc);
   if (m >= kAmxMinRows) return gemm_amx(a, lda, m, k, b, n, bias, c, ldc, parallel);
   gemm_split_small(a, lda, m, k, b, n, bias, c, ldc, parallel);
 }
 
+void split_weight(const float* w, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, uint32_t* dst) {
+  TORCH_CHECK(k > 0 && k % 32 == 0, "a split weight takes a positive multiple of 32 input features, not ", k);
+  const int64_t stream = split_stream(k);
+  at::parallel_for(0, n / kPanel, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float x[16], y[16];
+    for (int64_t p = p0; p < p1; ++p)
+      for (int half = 0; half < 2; ++half) {  // columns 0-15, 16-31 of the panel
+        const float* col = w + (p * kPanel + half * 16) * col_stride;
+        uint32_t* out = dst + p * 4 * stream + half * stream;
+        for (int64_t i = 0; i < k; i += 2) {
+          for (int j = 0; j < 16; ++j) {
+            x[j] = col[j * col_stride + i * row_stride];
+            y[j] = col[j * col_stride + (i + 1) * row_stride];
+          }
+          const __m512 vx = _mm512_load_ps(x), vy = _mm512_load_ps(y);
+          const __m512i hi = _mm512_or_si512(split_hi(vx), _mm512_slli_epi32(split_hi(vy), 16));
+          const __m512i lo = _mm512_or_si512(split_lo(vx), _mm512_slli_epi32(split_lo(vy), 16));
+          _mm512_storeu_si512(out + i / 2 * 16, hi);
+          _mm512_storeu_si512(out + 2 * stream + i / 2 * 16, lo);
+        }
+      }
+  });
+}
+
 #else
 
 bool amx_usable() { return false; }
+
+void split_weight(const float*, int64_t, int64_t, int64_t, int64_t, uint32_t*) {
+  TORCH_CHECK(false, "this build of the kernels has no AMX product");
+}
 
 void gemm_split(const float*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, float*, int64_t,
                 bool) {
@@ -345,45 +374,5 @@ void gemm_split(const float*, int64_t, int64_t, int64_t, const uint32_t*, int64_
 }
 
 #endif
-
-namespace {
-inline uint32_t float_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-inline float bits_float(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-// x's hi (its top 16 bits) and lo (x - hi rounded to bfloat16, nearest, ties to even; 0 for an
-// infinite or NaN x), as split_hi /
-// split_lo compute them 16 lanes at a time
-inline uint32_t hi_half(float x) { return float_bits(x) >> 16; }
-inline uint32_t lo_half(float x) {
-  if ((float_bits(x) & 0x7F800000u) == 0x7F800000u) return 0;  // infinite or NaN: hi carries it
-  const uint32_t r = float_bits(x - bits_float(float_bits(x) & 0xFFFF0000u));
-  return (r + 0x7FFFu + ((r >> 16) & 1u)) >> 16;
-}
-}  // namespace
-
-void split_weight(const float* w, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, uint32_t* dst) {
-  const int64_t kp = (k + 31) / 32 * 32, stream = kp / 2 * 16;
-  at::parallel_for(0, n / kPanel, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      uint32_t* out = dst + p * 4 * stream;
-      for (int64_t i = 0; i < kp; i += 2)
-        for (int j = 0; j < kPanel; ++j) {
-          const int64_t col = p * kPanel + j;
-          const float x = i < k ? w[col * col_stride + i * row_stride] : 0.0f;
-          const float y = i + 1 < k ? w[col * col_stride + (i + 1) * row_stride] : 0.0f;
-          const int64_t at = (j / 16) * stream + i / 2 * 16 + j % 16;
-          out[at] = hi_half(x) | (hi_half(y) << 16);
-          out[2 * stream + at] = lo_half(x) | (lo_half(y) << 16);
-        }
-    }
-  });
-}
 
 }  // namespace kvserve

@@ -32,7 +32,7 @@ class CpuLayerOps:
         self.moe_pack_weight = ops.moe_pack_weight.default
         self.moe_experts = ops.moe_experts.default
         # cpu_matmul_precision "high" where the CPU grants AMX tiles: a weight split into bfloat16 hi and
-        # lo halves ([N / 32, 4, K' / 2, 16] int32, gemm.h) for the bf16x3 product
+        # lo halves ([N / 32, 4, K / 2, 16] int32, N and K multiples of 32, gemm.h) for the bf16x3 product
         self.amx_usable = bool(ops.amx_usable())
         self.split_linear_weight = ops.split_linear_weight.default  # (weight [N, K], out) -> None
 

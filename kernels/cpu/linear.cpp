@@ -229,10 +229,10 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
 at::Tensor linear_bf16x3(const at::Tensor& x, const at::Tensor& split, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(split.dim() == 4 && split.size(1) == 4 && split.size(3) == 16 && split.is_contiguous() &&
                   split.scalar_type() == at::kInt,
-              "a split weight is a contiguous int32 [N / 32, 4, K' / 2, 16] tensor");
+              "a split weight is a contiguous int32 [N / 32, 4, K / 2, 16] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "the split product takes float32 inputs");
-  const int64_t k = x.size(-1), kp = split.size(2) * 2, n = split.size(0) * kPanel;
-  TORCH_CHECK((k + 31) / 32 * 32 == kp, "x has ", k, " features where the split weight takes ", kp - 31, "-", kp);
+  const int64_t k = x.size(-1), n = split.size(0) * kPanel;
+  TORCH_CHECK(k == split.size(2) * 2, "x has ", k, " features where the split weight takes ", split.size(2) * 2);
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
   const float* bp = bias_data(bias, n);
   at::Tensor out = at::empty({x2.size(0), n}, x.options());
@@ -241,16 +241,17 @@ at::Tensor linear_bf16x3(const at::Tensor& x, const at::Tensor& split, const c10
   return shaped_like(out, x, n);
 }
 
-// out [N / 32, 4, K' / 2, 16] int32 (K' = K rounded up to 32) = weight [N, K] (any strides) split for the
-// bf16x3 product (gemm.h); N a multiple of 32. Only where the AMX product runs (amx_usable).
+// out [N / 32, 4, K / 2, 16] int32 = weight [N, K] (any strides) split for the bf16x3 product (gemm.h);
+// N and K multiples of 32. Only where the AMX product runs (amx_usable).
 void split_linear_weight(const at::Tensor& weight, at::Tensor& out) {
   TORCH_CHECK(amx_usable(), "the bf16x3 product needs AMX tiles, which this CPU, OS or build does not grant");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "split_linear_weight takes a float32 [N, K] weight");
-  const int64_t n = weight.size(0), k = weight.size(1), kp = (k + 31) / 32 * 32;
+  const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(kPanel == 32 && n % 32 == 0, "a split weight needs a multiple of 32 output features, not ", n);
+  TORCH_CHECK(k > 0 && k % 32 == 0, "a split weight needs a positive multiple of 32 input features, not ", k);
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kInt && out.dim() == 4 && out.size(0) == n / 32 &&
-                  out.size(1) == 4 && out.size(2) == kp / 2 && out.size(3) == 16,
-              "out must be a contiguous int32 [", n / 32, ", 4, ", kp / 2, ", 16] tensor");
+                  out.size(1) == 4 && out.size(2) == k / 2 && out.size(3) == 16,
+              "out must be a contiguous int32 [", n / 32, ", 4, ", k / 2, ", 16] tensor");
   split_weight(weight.data_ptr<float>(), n, k, weight.stride(1), weight.stride(0),
                reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()));
 }

@@ -125,6 +125,14 @@ def test_a_ranks_pool_and_host_tier_as_the_settings_give_them(models):
     # a quantized pool: head_dim codes and a two-byte scale per row
     fp8 = rank_memory(engine_config(path, num_kv_blocks=100, kv_cache_dtype="int8"), use_gpu=False)
     assert fp8[0].kv == 100 * 2 * 5 * 16 * 2 * (16 + 2)
+    # the bf16x3 product (cpu_matmul_precision "high") adds its split copy of a step's rows: 4 bytes per
+    # batched token and input of the widest linear (this model's MLP down projection)
+    hf = engine_config(path).model.hf_config
+    widest = max(hf["hidden_size"], hf["intermediate_size"], hf["num_attention_heads"] * (hf.get("head_dim") or 0))
+    assert widest == hf["intermediate_size"]
+    plain = rank_memory(engine_config(path, num_kv_blocks=100), use_gpu=False)[0]
+    high = rank_memory(engine_config(path, num_kv_blocks=100, cpu_matmul_precision="high"), use_gpu=False)[0]
+    assert high.runtime - plain.runtime == 2048 * widest * 4
     # on a GPU the weights and the pool are device memory: the rank reserves its runtime (and host tier)
     assert rank_memory(config, use_gpu=True)[0] == RankMemory(weights=0, kv=0, host_tier=7 * 2 * 3 * 16 * 2 * 16 * 2)
 

@@ -23,7 +23,7 @@ AMX_MIN_ROWS = 64
 
 def _split(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
-    out = torch.empty(n // 32, 4, (k + 31) // 32 * 16, 16, dtype=torch.int32)
+    out = torch.empty(n // 32, 4, k // 2, 16, dtype=torch.int32)
     OPS.split_linear_weight(weight, out)
     return out
 
@@ -43,8 +43,8 @@ def _error(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 # (k, n) of real layers, not only powers of two: Qwen2-0.5B's qkv (896 -> 1152), down (4864 -> 896),
 # Phi-3's qkv rows (3072 -> 96 heads of 96 = 9216 is large: its o, 3072 -> 3072), OPT's fc1 (768 -> 3072),
-# odd and small depths (33, 100)
-WIDTHS = [(896, 1152), (4864, 896), (768, 3072), (3072, 3072), (33, 64), (100, 96)]
+# the smallest depth (32) and one of 5 blocks of 32 (160)
+WIDTHS = [(896, 1152), (4864, 896), (768, 3072), (3072, 3072), (32, 64), (160, 96)]
 
 
 @pytest.mark.parametrize("k,n", WIDTHS)
@@ -67,6 +67,36 @@ def test_the_split_keeps_sixteen_bits_of_each_weight():
     x = torch.randint(-4, 5, (5, 64), generator=gen).float()
     out = OPS.linear(x, _split(weight), None)
     assert torch.equal(out, (x.double() @ weight.double().T).float())
+
+
+def _split_reference(weight: torch.Tensor) -> torch.Tensor:
+    """The split layout computed in torch: per panel of 32 columns four streams (hi of columns 0-15, of
+    16-31, lo of 0-15, of 16-31), each word an input pair (the even input in the low 16 bits); hi = the
+    top 16 bits, lo = x - hi rounded to bfloat16 (nearest, ties to even), 0 where x is not finite."""
+    n, k = weight.shape
+    bits = weight.view(torch.int32).long() & 0xFFFFFFFF
+    hi = bits >> 16
+    rest = weight - (bits & 0xFFFF0000).to(torch.int32).view(torch.float32)
+    lo = rest.to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+    lo = torch.where(weight.isfinite(), lo, torch.zeros_like(lo))
+
+    def words(half: torch.Tensor) -> torch.Tensor:  # [n, k] -> [n / 32, 2, k / 2, 16]
+        pairs = half.reshape(n // 32, 2, 16, k // 2, 2)
+        return (pairs[..., 0] | pairs[..., 1] << 16).permute(0, 1, 3, 2)
+
+    split = torch.cat([words(hi), words(lo)], dim=1)
+    return (split - (split >> 31) * 2**32).to(torch.int32)
+
+
+def test_the_split_layout_bit_for_bit():
+    """Every word of the split weight, against the layout computed in torch: normal values of every
+    scale, subnormals, signed zeros, infinities and NaN, from a weight in either memory order."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 160, generator=gen) * torch.exp2(torch.randint(-140, 120, (96, 160), generator=gen).float())
+    weight.view(-1)[:6] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45])
+    want = _split_reference(weight)
+    assert torch.equal(_split(weight), want)
+    assert torch.equal(_split(weight.T.contiguous().T), want)  # column-major: the strides are honoured
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3, 4, 8])
@@ -97,11 +127,26 @@ def test_every_layer_of_real_models_at_prefill_rows(shape):
 
 
 def test_bad_shapes_are_refused_in_one_sentence():
-    weight = torch.randn(64, 100)
+    weight = torch.randn(64, 96)
     split = _split(weight)
-    with pytest.raises(RuntimeError, match="takes 97-128"):
-        OPS.linear(torch.randn(3, 64), split, None)
+    for width in (64, 95, 97, 128):  # the exact width: none within a block of 32 of it is taken
+        with pytest.raises(RuntimeError, match=f"x has {width} features where the split weight takes 96"):
+            OPS.linear(torch.randn(3, width), split, None)
     with pytest.raises(RuntimeError, match="multiple of 32 output features"):
         OPS.split_linear_weight(torch.randn(48, 64), torch.empty(1, 4, 32, 16, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="positive multiple of 32 input features, not 100"):
+        OPS.split_linear_weight(torch.randn(64, 100), torch.empty(2, 4, 64, 16, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="no fixed-order linear"):
-        OPS.linear_fixed_order(torch.randn(3, 100), split, None)
+        OPS.linear_fixed_order(torch.randn(3, 96), split, None)
+
+
+def test_a_layer_whose_inputs_32_does_not_divide_stays_packed_float32():
+    """The split takes whole blocks of 32 inputs: binding a layer of 100 inputs under "high" gives the
+    packed float32 layout, whose product is float32's, while one of 96 is split."""
+    from kernels.cpu.layer_ops import CpuLayerOps
+    from workers.layers.kernels import _relaid
+
+    ops = CpuLayerOps(OPS, attention_args=None)
+    kept = _relaid(torch.randn(64, 100), ops, "split")
+    assert kept.dtype == torch.float32 and kept.shape == (64 // ops.panel_width, 100, ops.panel_width)
+    assert _relaid(torch.randn(64, 96), ops, "split").shape == (2, 4, 48, 16)

@@ -71,17 +71,17 @@ def _packed_layout(weight: torch.Tensor, layer_ops) -> torch.Tensor:
 
 
 def _split_layout(weight: torch.Tensor, layer_ops) -> torch.Tensor:
-    """The matrix split into bfloat16 hi and lo halves for the bf16x3 product, ``[out / 32, 4, in' / 2,
-    16]`` int32 (``in'``: ``in`` rounded up to 32; ``gemm.h``), the float32 matrix's bytes where 32
-    divides ``in``."""
-    storage = huge_empty((weight.shape[0] // 32, 4, (weight.shape[1] + 31) // 32 * 16, 16), torch.int32)
+    """The matrix split into bfloat16 hi and lo halves for the bf16x3 product, ``[out / 32, 4, in / 2, 16]``
+    int32 (``gemm.h``): the float32 matrix's bytes."""
+    storage = huge_empty((weight.shape[0] // 32, 4, weight.shape[1] // 2, 16), torch.int32)
     layer_ops.split_linear_weight(weight, storage)
     return storage
 
 
 def _relaid(weight: torch.Tensor, layer_ops, layout: str) -> torch.Tensor:
     if layout in ("packed", "split") and weight.dtype == torch.float32 and weight.shape[0] % layer_ops.panel_width == 0:
-        return _split_layout(weight, layer_ops) if layout == "split" else _packed_layout(weight, layer_ops)
+        # (the split takes whole blocks of 32 inputs: a layer whose input width 32 does not divide stays packed)
+        return _split_layout(weight, layer_ops) if layout == "split" and weight.shape[1] % 32 == 0 else _packed_layout(weight, layer_ops)
     return _transposed_layout(weight)
 
 
@@ -109,7 +109,8 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False, p
     linear = layer_ops.linear_fixed_order if deterministic else layer_ops.linear
     layout = linear_layout()
     if layout == "packed" and precision == "high" and layer_ops.amx_usable and not deterministic:
-        layout = "split"  # weights whose output features 32 does not divide keep the transposed layout
+        layout = "split"  # (weights whose output features 32 does not divide keep the transposed layout,
+        # those whose input features it does not divide the packed one)
     logger.info("CPU linear layers: %s layout", layout)
     for module in model.modules():
         if hasattr(module, "ops"):  # RMSNorm, RotaryEmbedding, gated MLPs: they declare the slot
