@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.config import SchedulerConfig
+from engine.config import CPU_MATMUL_PRECISIONS, SchedulerConfig
 from kernels.kv_quant import KV_CACHE_DTYPES
 
 PHASES = ("schedule", "prepare inputs", "forward", "logits", "sample", "update", "outputs")
@@ -45,6 +45,8 @@ def add_profile_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cascade", action="store_true", help="turn shared-prefix attention off")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="the KV pool's format")
+    parser.add_argument("--cpu-matmul-precision", default="highest", choices=CPU_MATMUL_PRECISIONS,
+                        help="the compiled CPU linear's products: float32, or bf16x3 on AMX tiles (high)")
     parser.add_argument("--kv-gib", type=float, default=None,
                         help="KV bytes (default: the engine's; 64 sequences of 2k tokens need 4 GiB in float32)")
 
@@ -131,7 +133,8 @@ MAX_BATCHED_TOKENS = SchedulerConfig().max_num_batched_tokens  # the engine's de
 
 def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, shared_prefix: int = 512,
                  steps: int = 20, threads: int = 2, block_size: int = 16, attention_backend: str = "auto",
-                 cascade: bool = True, kv_cache_dtype: str = "auto", kv_gib: float | None = None) -> dict:
+                 cascade: bool = True, kv_cache_dtype: str = "auto", kv_gib: float | None = None,
+                 cpu_matmul_precision: str = "highest") -> dict:
     from engine import LLM, SamplingParams
     from engine.sampling_params import RequestOutputKind
 
@@ -147,7 +150,7 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
     with LLM(model=model, max_num_seqs=num_seqs, max_num_batched_tokens=MAX_BATCHED_TOKENS, block_size=block_size,
              attention_backend=attention_backend,
              cascade_attention=cascade, max_model_len=prompt_len + params.max_tokens + block_size,
-             kv_cache_dtype=kv_cache_dtype,
+             kv_cache_dtype=kv_cache_dtype, cpu_matmul_precision=cpu_matmul_precision,
              kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30)) as llm:
         core = llm.core
         for i in range(num_seqs):
@@ -175,6 +178,7 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
             profiled = dict(timers.total)
         runner = core.executor.worker.runner
         backend = runner.attention_backend.name
+        products = runner.matmul  # "bf16x3" or "float32" (what the setting gave on this CPU)
         matmul_flops = _linear_flops(runner.model, num_seqs)
         cascade_steps = runner.batch.num_cascade_steps
     families: dict[str, float] = defaultdict(float)
@@ -196,7 +200,7 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
     return {
         "model": model, "num_seqs": num_seqs, "prompt_len": prompt_len, "shared_prefix": shared_prefix,
         "threads": threads, "block_size": block_size, "attention_backend": backend, "cascade": cascade,
-        "kv_cache_dtype": kv_cache_dtype,
+        "kv_cache_dtype": kv_cache_dtype, "cpu_matmul": products,
         "cascade_steps": cascade_steps, "steps": steps, "step_ms": step_ms,
         "tokens_per_s": num_seqs / (step_ms / 1000), "phases_ms": phases, "forward_ops_ms": split,
         "profiled_op_s": op_total, "matmul_flops": matmul_flops, "fma_peak_per_core": _fma_peak(),
@@ -208,7 +212,7 @@ def format_profile(result: dict) -> str:
     lines = [
         f"{result['num_seqs']} sequences decoding, {result['prompt_len']}-token prompts ({result['shared_prefix']} "
         f"shared), {result['threads']} threads, attention backend {result['attention_backend']}, KV "
-        f"{result.get('kv_cache_dtype', 'auto')}"
+        f"{result.get('kv_cache_dtype', 'auto')}, linear products {result.get('cpu_matmul', 'float32')}"
         f"{'' if result['cascade'] else ', no shared-prefix attention'}",
         f"decode step {step:.2f} ms = {result['tokens_per_s']:.0f} tok/s",
         "",
@@ -225,7 +229,10 @@ def format_profile(result: dict) -> str:
     if matmul_ms > 0 and result.get("matmul_flops"):
         gflops = result["matmul_flops"] / (matmul_ms / 1000) / 1e9
         line = f"matrix products: {gflops:.1f} GFLOP/s"
-        if result.get("fma_peak_per_core"):
+        if result.get("cpu_matmul") == "bf16x3":
+            # three bfloat16 products on the tiles: float32's FMA peak does not bound them
+            line += " (float32-equivalent; bf16x3, which float32's FMA peak does not bound)"
+        elif result.get("fma_peak_per_core"):
             peak = result["fma_peak_per_core"] * result["threads"]
             line += f" = {gflops / peak:.0%} of the FMA peak ({result['fma_peak_per_core']:.1f} GFLOP/s per core x {result['threads']})"
         lines.append(line)
@@ -239,6 +246,7 @@ def run_profile_step(args: argparse.Namespace) -> int:
     result = profile_step(args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len,
                           shared_prefix=args.shared_prefix, steps=args.steps, threads=args.threads,
                           block_size=args.block_size, attention_backend=args.attention_backend,
-                          cascade=not args.no_cascade, kv_cache_dtype=args.kv_cache_dtype, kv_gib=args.kv_gib)
+                          cascade=not args.no_cascade, kv_cache_dtype=args.kv_cache_dtype, kv_gib=args.kv_gib,
+                          cpu_matmul_precision=args.cpu_matmul_precision)
     print(format_profile(result))
     return 0

@@ -57,3 +57,19 @@ def test_a_pool_too_small_for_every_sequence_is_an_error_not_a_hang(model_dirs):
         # room for three of the six 70-token prompts: never all six at once
         profile_step(model_dirs["llama"], num_seqs=6, prompt_len=70, shared_prefix=0, steps=1, threads=1,
                      block_size=8, attention_backend="torch", cascade=False, kv_gib=250 * per_token / 2**30)
+
+
+def test_the_products_the_precision_gives_are_named_and_measured_apart_from_the_fma_peak(model_dirs):
+    """`--cpu-matmul-precision high` profiles the bf16x3 products where the CPU grants AMX tiles (float32
+    elsewhere); their GFLOP/s are not set against float32's FMA peak, which does not bound them."""
+    from kernels.cpu import load
+
+    ops = load()
+    want = "bf16x3" if ops is not None and ops.amx_usable() else "float32"
+    result = profile_step(model_dirs["llama"], num_seqs=6, prompt_len=70, shared_prefix=0, steps=2, threads=1,
+                          block_size=8, attention_backend="cpu" if ops is not None else "torch", cascade=False,
+                          cpu_matmul_precision="high")
+    assert result["cpu_matmul"] == want
+    text = format_profile(result)
+    assert f"linear products {want}" in text
+    assert ("of the FMA peak" in text) == (want == "float32" and bool(result["fma_peak_per_core"]))
