@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.soak import add_soak_arguments, run_soak_command
     from benchmarks.structured import add_bench_structured_arguments, run_bench_structured
     from benchmarks.parallel import add_bench_parallel_arguments, run_bench_parallel
+    from benchmarks.pp_transport import add_bench_pp_transport_arguments, run_bench_pp_transport
     from workers.model_builder import add_make_model_arguments, run_make_model
 
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference on Ray")
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
          "shared-prompt workload, HF generate, torch vs Triton attention", add_bench_gpu_arguments, run_bench_gpu),
         ("bench-parallel", "TP=1 x PP=1 in-process against tensor- and pipeline-parallel sizes on Ray worker actors: "
          "throughput, dispatch, each stage's compute and wait", add_bench_parallel_arguments, run_bench_parallel),
+        ("bench-pp-transport", "a pipeline stage's activations to the next by gloo send/recv (the engine's way) "
+         "and by a Ray Compiled Graph channel: step time and each stage's CPU per step",
+         add_bench_pp_transport_arguments, run_bench_pp_transport),
         ("bench-host-tier", "multi-turn conversations through a pool holding a quarter of their KV: prefix hit "
          "rate and output tok/s with the host KV tier off, on, and with an unlimited pool",
          add_bench_host_tier_arguments, run_bench_host_tier),
