@@ -9,6 +9,9 @@ each measured per step of a Ray Compiled Graph that drives both stages as the en
   compiled-graph channel between the two actors carries them (shared memory within a node, Ray's own
   transfer between nodes).
 
+The graphs differ as the two designs would: under gloo both stages answer the driver (two channels
+back, as the engine's ranks do), through the channel only the second.
+
 Per row count: the median time of a step (the driver's execute to the second stage's answer, which
 checks the rows it got) and the CPU seconds each stage's process spent per step (its thread that runs
 the graph and whatever polls for it). ``--two-nodes`` puts the stages on two nodes of a local cluster
@@ -47,7 +50,8 @@ class _Stage:
 
         dist.init_process_group("gloo", init_method=init_method, rank=self.rank, world_size=2)
 
-    # gloo: both stages take the plan (the row count); the first sends, the second receives
+    # gloo: both stages take the plan (the row count), as the engine's ranks do; the first sends the rows,
+    # the second receives them (a header, then the rows)
     def send(self, rows: int) -> float:
         import torch.distributed as dist
 
@@ -66,7 +70,8 @@ class _Stage:
 
     # channel: the first stage's answer is the second's argument
     def produce(self, rows: int) -> tuple[torch.Tensor, float]:
-        return self.x[:rows], time.process_time()
+        # a copy of the rows: a view would be pickled with the whole storage behind it
+        return self.x[:rows].clone(), time.process_time()
 
     def consume(self, handed: tuple[torch.Tensor, float]) -> tuple[float, float, float]:
         got, first_cpu = handed
@@ -74,6 +79,9 @@ class _Stage:
 
 
 def _graph(mode: str, first, second):
+    """gloo: the plan to both stages, both answers out (the engine's graph; a chain would deadlock, the
+    first stage's send waiting for a receive that starts only after its answer); channel: the plan into
+    the first stage, its answer (the rows) into the second, the second's out."""
     from ray.dag import InputNode, MultiOutputNode
 
     with InputNode() as rows:
@@ -143,7 +151,7 @@ def bench_pp_transport(rows_list: list[int], width: int, steps: int, two_nodes: 
         ray.get(group.ready())
         actor = ray.remote(_Stage)
         stages = [actor.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote(
-            i, activations if i == 0 else activations[:0]) for i in range(2)]
+            i, activations if i == 0 else torch.empty(0, width)) for i in range(2)]
         address = ray.get(stages[0].address.remote())
         ray.get([s.join.remote(address) for s in stages])
         nodes = len({n for n in ray.get([s.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
@@ -184,8 +192,11 @@ def add_bench_pp_transport_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench_pp_transport(args: argparse.Namespace) -> int:
-    rows = [int(r) for r in args.rows.split(",")]
-    if not rows or min(rows) < 1 or args.width < 1 or args.steps < 2:
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        rows = [0]
+    if min(rows) < 1 or args.width < 1 or args.steps < 2:
         raise SystemExit("kvserve bench-pp-transport: rows and width must be positive and steps at least 2")
     report = bench_pp_transport(rows, args.width, args.steps, args.two_nodes)
     print(format_pp_transport(report))

@@ -91,15 +91,16 @@ def _ephemeral_ports() -> tuple[int, int]:
 
 
 def free_port() -> int:
-    """A port free now, between Ray's worker ports (10002-19999 by default, which `ray start` also
-    refuses for its other components) and the kernel's ephemeral range where it can: for a server that
+    """A port free now, above Ray's worker ports (10002-19999 by default, which `ray start` also refuses
+    for its other components) and below the kernel's ephemeral range where it can: for a server that
     binds it seconds later (HAProxy or Serve's proxy, once Serve starts), since a port the kernel hands
     out for outgoing connections (Ray opens many) could be taken by one in between (suite runs met
     "Address already in use" so)."""
     low = _ephemeral_ports()[0]
+    top = low if low > RAY_WORKER_PORTS_END + 1000 else 65536  # no room below that range: above Ray's all the same
     rng = random.SystemRandom()
-    for _ in range(64 if low > RAY_WORKER_PORTS_END + 1000 else 0):
-        port = rng.randrange(RAY_WORKER_PORTS_END + 1, low)
+    for _ in range(64):
+        port = rng.randrange(RAY_WORKER_PORTS_END + 1, top)
         with socket.socket() as sock:
             try:
                 sock.bind(("", port))

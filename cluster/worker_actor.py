@@ -5,6 +5,7 @@ only creates ranks (a Serve replica, ``cluster.worker_group.spawn_ranks``) does 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -14,6 +15,8 @@ from engine.config import EngineConfig
 from engine.executor import RankRaised
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 from workers.model_source import localize
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerActor:
@@ -61,6 +64,8 @@ class WorkerActor:
         try:
             return self.worker.execute_model(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - the driver fails the step with it
+            # (the driver gets its type and first line; the traceback stays in this rank's log)
+            logger.warning("rank %d: the step raised %s", self.rank, type(exc).__name__, exc_info=True)
             return RankRaised.of(exc)
 
     def kv_cache_info(self) -> dict:

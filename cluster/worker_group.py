@@ -245,7 +245,7 @@ class WorkerGroup:
         order they were sent). RuntimeError where an earlier read of it was interrupted: its answers
         can be read once, so they are lost, and the engine rebuilds the ranks (not held against the
         restart budget). A rank that raised answers ``RankRaised`` (Ray's reader, given a raised error,
-        returns the first one it happens to read and drops the other ranks' answers, which may leave a
+        raises the first one it happens to read and drops the other ranks' answers, which may leave a
         later stage's ``UpstreamStageFailed`` as the step's cause): the step fails with the error of the
         earliest rank that raised anything but that echo."""
         if step.reading:

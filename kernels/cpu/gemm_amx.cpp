@@ -336,8 +336,8 @@ void gemm_split(const float* a, int64_t lda, int64_t m, int64_t k, const uint32_
   gemm_split_small(a, lda, m, k, b, n, bias, c, ldc, parallel);
 }
 
+// (k a positive multiple of 32 and n of kPanel: split_linear_weight checks them)
 void split_weight(const float* w, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, uint32_t* dst) {
-  TORCH_CHECK(k > 0 && k % 32 == 0, "a split weight takes a positive multiple of 32 input features, not ", k);
   const int64_t stream = split_stream(k);
   at::parallel_for(0, n / kPanel, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float x[16], y[16];

@@ -24,7 +24,7 @@ def test_both_ways_carry_every_step_and_are_reported(monkeypatch):
     assert "| 40 | 15,360 |" in table and "stages on 1 node(s)" in table
 
 
-@pytest.mark.parametrize("argv", [["--steps", "1"], ["--rows", "0,4"], ["--width", "0"]])
+@pytest.mark.parametrize("argv", [["--steps", "1"], ["--rows", "0,4"], ["--rows", "4,x"], ["--width", "0"]])
 def test_bad_arguments_are_refused_in_one_sentence(argv):
     parser = argparse.ArgumentParser()
     add_bench_pp_transport_arguments(parser)

@@ -132,7 +132,11 @@ def test_a_ranks_pool_and_host_tier_as_the_settings_give_them(models):
     assert widest == hf["intermediate_size"]
     plain = rank_memory(engine_config(path, num_kv_blocks=100), use_gpu=False)[0]
     high = rank_memory(engine_config(path, num_kv_blocks=100, cpu_matmul_precision="high"), use_gpu=False)[0]
-    assert high.runtime - plain.runtime == 2048 * widest * 4
+    tokens = engine_config(path).scheduler.max_num_batched_tokens
+    assert high.runtime - plain.runtime == tokens * widest * 4
+    # deterministic mode splits nothing
+    assert rank_memory(engine_config(path, num_kv_blocks=100, cpu_matmul_precision="high", deterministic=True),
+                       use_gpu=False)[0].runtime == plain.runtime
     # on a GPU the weights and the pool are device memory: the rank reserves its runtime (and host tier)
     assert rank_memory(config, use_gpu=True)[0] == RankMemory(weights=0, kv=0, host_tier=7 * 2 * 3 * 16 * 2 * 16 * 2)
 

@@ -81,6 +81,29 @@ def test_a_compiled_step_whose_read_was_interrupted_is_lost_not_a_dead_rank(monk
         group.collect(_CompiledStep(["stage 0", TimeoutError("no answer")]))
 
 
+def test_a_compiled_step_fails_with_the_earliest_error_that_is_not_an_echo(monkeypatch):
+    """Through the compiled graph a rank answers what it raised (``RankRaised``): every rank's answer is
+    read, and the step fails with the earliest rank's error that is not a later stage's
+    ``UpstreamStageFailed`` echo, in whatever order the answers stand; only echoes: the first of them."""
+    import cluster.worker_group as worker_group
+    from cluster.worker_group import WorkerGroup, _CompiledStep
+    from engine.executor import RankRaised, StepFailedError
+
+    monkeypatch.setattr(worker_group.ray, "get", lambda refs, timeout=None: refs)
+    group = object.__new__(WorkerGroup)
+    group.step_timeout_s, group.stage_ranks, group.output_rank = 5.0, [0, 2], 2
+    group.pipeline = type("Times", (), {"add": lambda self, *a: None})()
+    echo = RankRaised("UpstreamStageFailed", "pipeline stage 0 failed this step before sending its activations")
+    index = RankRaised.of(IndexError("index out of range in self\nmore lines"))
+    assert index == RankRaised("IndexError", "index out of range in self") and echo.upstream and not index.upstream
+    for answers in ([echo, index, echo], [index, echo, echo], ["stage 0", index, None]):
+        with pytest.raises(StepFailedError, match="^IndexError: index out of range in self$") as failed:
+            group.collect(_CompiledStep(list(answers)))
+        assert failed.value.kind == "IndexError" and not failed.value.ranks_stuck
+    with pytest.raises(StepFailedError, match="^UpstreamStageFailed: "):
+        group.collect(_CompiledStep([None, echo, echo]))
+
+
 def test_after_a_raise_the_step_fails_with_the_earliest_stages_error_or_the_group_is_wedged(ray_cluster):
     """``WorkerGroup._after_raise`` on real Ray answers, one rank per stage: every rank answered (the
     later stage with ``UpstreamStageFailed``, read first) is a failed step whose cause is the first stage's

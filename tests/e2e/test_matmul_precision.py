@@ -66,6 +66,16 @@ def test_deterministic_mode_keeps_float32_products(model_dirs):
     assert [lp for lp in outs[0].logprobs] == [lp for lp in outs[1].logprobs]  # bit for bit
 
 
+def test_a_model_with_no_width_32_divides_reports_float32(tmp_path):
+    """The `odd` preset's layers (200 and 520 features, a 4100-token vocabulary) have no width 32
+    divides: under "high" none is split, and the stats say float32, not bf16x3."""
+    from workers.model_builder import make_model
+
+    path = make_model("llama", "odd", tmp_path / "llama-odd", seed=0)
+    with LLM(model=str(path), cpu_matmul_precision="high", num_kv_blocks=64, max_model_len=512) as llm:
+        assert llm.stats()["cpu_matmul"] == "float32"
+
+
 def test_a_wrong_precision_is_refused(model_dirs):
     with pytest.raises(ValueError, match="cpu_matmul_precision must be one of highest, high, got 'medium'"):
         LLM(model=model_dirs["llama"], cpu_matmul_precision="medium")

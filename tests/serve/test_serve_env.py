@@ -33,10 +33,11 @@ def test_both_deployments_carry_serve_env_and_the_environment_wins(model_dirs, m
     assert os.environ[NODE_HEALTH] == "20"  # a local node's raylet may miss 20 health checks, not Ray's 5
     ports = [int(os.environ[key]) for key in HAPROXY_PORTS]
     assert len(set(ports)) == 2 and all(1024 <= port < 65536 for port in ports)
-    # below the kernel's range for outgoing connections, which could take a port before HAProxy binds it
-    from cluster.serve_env import _ephemeral_ports
+    # between Ray's worker ports and the kernel's range for outgoing connections, which could take a port
+    # before HAProxy binds it
+    from cluster.serve_env import RAY_WORKER_PORTS_END, _ephemeral_ports
 
-    assert all(10000 <= port < _ephemeral_ports()[0] for port in ports)
+    assert all(RAY_WORKER_PORTS_END < port < _ephemeral_ports()[0] for port in ports)
     monkeypatch.setenv("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "1")
     app = serve_app.build_app({"model": model_dirs["llama"]})
     assert _env_vars(app._bound_deployment)["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "1"
@@ -113,14 +114,17 @@ def test_a_local_cluster_outlives_a_raylet_stalled_for_40_seconds():
     assert out.stdout.strip().splitlines()[-1:] == ["ALIVE"], out.stdout[-2000:] + out.stderr[-2000:]
 
 
-def test_free_ports_lie_between_rays_worker_ports_and_the_ephemeral_range():
+def test_free_ports_lie_between_rays_worker_ports_and_the_ephemeral_range(monkeypatch):
     """A port for a server that binds it later (Serve's proxy, HAProxy, `ray start --port`): not one the
     kernel may hand an outgoing connection meanwhile, and not in Ray's worker port range (which `ray
     start` refuses for its other components: "worker_ports is trying to use a port number ...")."""
-    from cluster.serve_env import RAY_WORKER_PORTS_END, _ephemeral_ports, free_port
+    import cluster.serve_env as serve_env
 
-    low = _ephemeral_ports()[0]
-    assert low > RAY_WORKER_PORTS_END + 1000  # this machine has room for them
-    ports = {free_port() for _ in range(50)}
-    assert all(RAY_WORKER_PORTS_END < port < low for port in ports)
+    low = serve_env._ephemeral_ports()[0]
+    below = low if low > serve_env.RAY_WORKER_PORTS_END + 1000 else 65536  # (this VM: 32768)
+    ports = {serve_env.free_port() for _ in range(50)}
+    assert all(serve_env.RAY_WORKER_PORTS_END < port < below for port in ports), (low, sorted(ports))
     assert len(ports) > 40  # drawn at random: parallel tests rarely pick the same one
+    # a kernel whose ephemeral range leaves no room below it: still above Ray's worker ports
+    monkeypatch.setattr(serve_env, "_ephemeral_ports", lambda: (1024, 65535))
+    assert all(serve_env.RAY_WORKER_PORTS_END < serve_env.free_port() < 65536 for _ in range(20))

@@ -81,7 +81,9 @@ def _split_layout(weight: torch.Tensor, layer_ops) -> torch.Tensor:
 def _relaid(weight: torch.Tensor, layer_ops, layout: str) -> torch.Tensor:
     if layout in ("packed", "split") and weight.dtype == torch.float32 and weight.shape[0] % layer_ops.panel_width == 0:
         # (the split takes whole blocks of 32 inputs: a layer whose input width 32 does not divide stays packed)
-        return _split_layout(weight, layer_ops) if layout == "split" and weight.shape[1] % 32 == 0 else _packed_layout(weight, layer_ops)
+        if layout == "split" and weight.shape[1] % 32 == 0:
+            return _split_layout(weight, layer_ops)
+        return _packed_layout(weight, layer_ops)
     return _transposed_layout(weight)
 
 
@@ -105,13 +107,14 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False, p
     the fixed-order linear). ``precision`` (``cpu_matmul_precision``): "high" splits the packed
     layout's weights for the bf16x3 product where the CPU grants AMX tiles, except under
     ``deterministic`` (its products are the fixed float32 chains). Returns what the float32 linear
-    layers run: "bf16x3" or "float32"."""
+    layers run: "bf16x3" (where any weight was split) or "float32"."""
     linear = layer_ops.linear_fixed_order if deterministic else layer_ops.linear
     layout = linear_layout()
     if layout == "packed" and precision == "high" and layer_ops.amx_usable and not deterministic:
         layout = "split"  # (weights whose output features 32 does not divide keep the transposed layout,
         # those whose input features it does not divide the packed one)
     logger.info("CPU linear layers: %s layout", layout)
+    relaid = []
     for module in model.modules():
         if hasattr(module, "ops"):  # RMSNorm, RotaryEmbedding, gated MLPs: they declare the slot
             module.ops = layer_ops
@@ -119,6 +122,7 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False, p
             module.pack_for_cpu(layer_ops)
         if isinstance(module, (ReplicatedLinear, _ColumnShards, RowParallelLinear)):
             module.weight.data = _relaid(module.weight.data, layer_ops, layout)
+            relaid.append(module.weight.data)
             module.linear = linear
         elif isinstance(module, ParallelLMHead):
             module.linear = linear
@@ -126,10 +130,13 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False, p
                          if m is not module and isinstance(getattr(m, "weight", None), torch.Tensor))
             if shared:
                 module.packed_weight = _relaid(module.weight.data, layer_ops, layout)
+                relaid.append(module.packed_weight)
             else:
                 module.weight.data = _relaid(module.weight.data, layer_ops, layout)
+                relaid.append(module.weight.data)
     if os.environ.get("KVSERVE_DECODER_STACK", "1") != "0":
         for module in model.modules():
             if hasattr(module, "bind_decoder_stack"):
                 module.bind_decoder_stack(layer_ops)
-    return "bf16x3" if layout == "split" else "float32"
+    # bf16x3 where any weight was split (a split weight is 4-D): none is where 32 divides no layer's widths
+    return "bf16x3" if any(w.dim() == 4 for w in relaid) else "float32"
