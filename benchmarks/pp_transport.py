@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 
@@ -38,12 +37,9 @@ class _Stage:
         self.rank, self.x = rank, activations
 
     def address(self) -> str:
-        import ray
+        from cluster.worker_actor import rendezvous_address
 
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            return f"tcp://{ip}:{s.getsockname()[1]}"
+        return rendezvous_address()
 
     def join(self, init_method: str) -> None:
         import torch.distributed as dist

@@ -19,6 +19,14 @@ from workers.model_source import localize
 logger = logging.getLogger(__name__)
 
 
+def rendezvous_address() -> str:
+    """A torch.distributed init address from inside a Ray actor: this node's IP and a port free right now."""
+    ip = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((ip, 0))
+        return f"tcp://{ip}:{s.getsockname()[1]}"
+
+
 class WorkerActor:
     def __init__(self, config: EngineConfig, rank: int) -> None:
         self.config = localize(config)  # the checkpoint's copy on this node
@@ -36,11 +44,8 @@ class WorkerActor:
                 "placement_group_id": ctx.get_placement_group_id()}
 
     def rendezvous_address(self) -> str:
-        """Rank 0 picks the process group's address: this node's IP and a port free right now."""
-        ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))
-            return f"tcp://{ip}:{s.getsockname()[1]}"
+        """Rank 0 picks the process group's address (``rendezvous_address``)."""
+        return rendezvous_address()
 
     def start(self, init_method: str) -> None:
         from workers.worker import Worker
