@@ -73,3 +73,15 @@ def test_the_products_the_precision_gives_are_named_and_measured_apart_from_the_
     text = format_profile(result)
     assert f"linear products {want}" in text
     assert ("of the FMA peak" in text) == (want == "float32" and bool(result["fma_peak_per_core"]))
+
+
+def test_a_shared_prefix_longer_than_the_prompt_is_refused_before_anything_starts(model_dirs):
+    """A prefix longer than the prompt made prompts of prefix + 1 tokens, which the engine refused as
+    longer than max_model_len, a message about neither flag."""
+    from cluster.cli import main
+
+    with pytest.raises(ValueError, match=r"the shared prefix \(100 tokens\) must be between 0 and the prompt's "
+                                         r"length \(70 tokens\)"):
+        profile_step(model_dirs["llama"], num_seqs=2, prompt_len=70, shared_prefix=100, steps=1, threads=1)
+    with pytest.raises(SystemExit, match=r"--shared-prefix \(512\) must be between 0 and --prompt-len \(288\)"):
+        main(["profile-step", "--model", model_dirs["llama"], "--prompt-len", "288"])
