@@ -60,10 +60,11 @@ class WorkerActor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput | bytes) -> ModelRunnerOutput | None:
+        """One step; the plan comes pickled from ``WorkerGroup.submit`` (``Worker.execute_model`` says why)."""
         return self.worker.execute_model(scheduler_output)
 
-    def execute_model_in_graph(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | RankRaised | None:
+    def execute_model_in_graph(self, scheduler_output: SchedulerOutput | bytes) -> ModelRunnerOutput | RankRaised | None:
         """``execute_model`` in the compiled graph: what the step raised is the rank's answer, so that the
         driver reads every rank's and names the earliest stage's error (``WorkerGroup._get_compiled``)."""
         try:

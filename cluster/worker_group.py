@@ -4,7 +4,7 @@ per-step dispatch. Under pipeline parallelism the ranks are ``pipeline_parallel_
 activations to the next (``workers.parallel_state.PipelineStage``) and the last stage's first rank
 samples.
 
-    scheduler ──execute_model(SchedulerOutput)──► rank 0 … rank N-1    (same plan to every rank)
+    scheduler ──execute_model(SchedulerOutput)──► rank 0 … rank N-1    (same plan to every rank, pickled once)
               ◄────────── ModelRunnerOutput ──── the sampling rank      (the others return None)
 
 A step waits for every rank, polling so that a rank that dies is noticed within a second even
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import time
 
 import ray
@@ -210,10 +211,13 @@ class WorkerGroup:
     def submit(self, scheduler_output: SchedulerOutput):
         """Send a step to every rank without waiting (each rank runs its steps in the order sent): one
         actor call per rank, or one execution of the compiled graph (whose channels hold as many
-        executions as may be in flight)."""
+        executions as may be in flight). The plan goes pickled, once for every rank, and each rank
+        unpickles it inside its step (``Worker.execute_model``: a plan one rank cannot read fails the
+        step in step with the other stages, where Ray's own reading of it would fail the call first)."""
+        plan = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
         if self.dispatch == "compiled":
-            return _CompiledStep(list(self._graph().execute(scheduler_output)))
-        return [a.execute_model.remote(scheduler_output) for a in self.actors]
+            return _CompiledStep(list(self._graph().execute(plan)))
+        return [a.execute_model.remote(plan) for a in self.actors]
 
     def collect(self, handle) -> ModelRunnerOutput:
         if isinstance(handle, _CompiledStep):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -164,12 +165,16 @@ class Worker:
                       for start, end in self.config.parallel.stage_layers(stage.num_layers))
         return spec.bytes_per_block // spec.num_layers * largest
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput | bytes) -> ModelRunnerOutput | None:
         """One step. Under pipeline parallelism every step exchanges exactly one message on each link
         between stages, whatever happens (``PipelineStage``): a stage that fails the step before its
         receive still reads the previous stage's message, and one that fails it before handing its
         activations over tells the next stage so, which raises ``UpstreamStageFailed`` in turn. No rank
-        waits for activations that never come, and the links stay in step for the steps after."""
+        waits for activations that never come, and the links stay in step for the steps after.
+        A rank actor gets the plan pickled (``WorkerGroup.submit``) and it is unpickled here, inside the
+        step: a plan one rank cannot read fails the step like any other error, with the links in step
+        (read by Ray before the call, it failed the call before this protocol ran, and a later stage
+        waited for activations until gloo's timeout)."""
         stage = self.runner.stage
         if stage.size == 1:
             return self._step(scheduler_output)
@@ -191,7 +196,9 @@ class Worker:
                     logger.exception("pipeline stage %d could not tell the next stage of its failure", stage.rank)
             raise
 
-    def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def _step(self, scheduler_output: SchedulerOutput | bytes) -> ModelRunnerOutput | None:
+        if isinstance(scheduler_output, bytes):
+            scheduler_output = pickle.loads(scheduler_output)
         if scheduler_output.kv_offloads or scheduler_output.kv_restores:
             self.run_tier_copies(scheduler_output.kv_offloads, scheduler_output.kv_restores)
         return self.runner.execute_model(scheduler_output)

@@ -193,3 +193,59 @@ def test_a_first_stage_that_raises_before_sending_holds_nothing_up(ray_cluster, 
     # the failed steps' cause, logged, is the first stage's error, never the second stage's echo of it
     failures = [r.getMessage() for r in caplog.records if "engine step" in r.getMessage()]
     assert failures and all("IndexError" in m and "UpstreamStageFailed" not in m for m in failures)
+
+
+class _UnreadableIn:
+    """Unpickles to None, except in the process ``pid``, where unpickling raises ZeroDivisionError (a plan
+    one rank cannot read: a field its code version lacks, memory it cannot get)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __reduce__(self):
+        return eval, (f"1 / 0 if __import__('os').getpid() == {self.pid} else None",)
+
+
+@pytest.mark.parametrize("dispatch", ["remote", "compiled"])
+def test_a_plan_the_first_stage_cannot_read_fails_the_step_with_the_links_in_step(ray_cluster, five_layers,
+                                                                                dispatch, caplog):
+    """One step's plan cannot be unpickled by the first stage's rank alone. The rank reads it inside its
+    step, so the step fails there like any other error: the second stage is told (no wait for
+    activations until gloo's timeout, 120 s), every rank answers, the step fails with the first stage's
+    error and its requests run again, producing the tokens of a run without the fault, the ranks never
+    rebuilt. (When Ray read the plan before the call, the first stage's call failed before the
+    pipeline's protocol ran: through the compiled graph the second stage waited for activations.)"""
+    import time
+
+    path, _ = five_layers
+    prompts = make_prompts(path)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(model=path, num_kv_blocks=256) as reference:
+        expected = generate(reference, prompts, params)
+    with LLM(model=path, pipeline_parallel_size=2, batches_in_flight=1, num_kv_blocks=256,
+             tp_dispatch=dispatch) as llm:
+        core = llm.core
+        group = core.executor.group
+        first_stage_pid = group.pids()[0]
+        submit, sent = group.submit, []
+
+        def submit_one_unreadable(scheduler_output):
+            sent.append(scheduler_output.step_id)
+            if len(sent) == 3:  # a step with requests prefilled and decoding
+                scheduler_output.unreadable = _UnreadableIn(first_stage_pid)
+            return submit(scheduler_output)
+
+        group.submit = submit_one_unreadable
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, params)
+        began = time.monotonic()
+        finals, failed = run_to_the_end(core)
+        took = time.monotonic() - began
+        stats = llm.stats()
+    assert len(sent) > 3 and took < 60
+    assert [finals[str(i)] for i in range(len(prompts))] == expected
+    assert all(error is None for error in failed.values())
+    assert stats["num_worker_restarts"] == 0 and stats["num_failed_requests"] == 0
+    assert stats["num_blocks_in_use"] == 0 and stats["num_requests_running"] == 0
+    failures = [r.getMessage() for r in caplog.records if "engine step" in r.getMessage()]
+    assert len(failures) == 1 and "ZeroDivisionError" in failures[0] and "UpstreamStageFailed" not in failures[0]
