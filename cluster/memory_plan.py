@@ -148,8 +148,8 @@ def activation_bytes(config: EngineConfig, elem: int) -> int:
     tp = config.parallel.tensor_parallel_size
     width = 3 * max(inter, experts) // tp + 4 * hidden
     if config.cpu_matmul_precision == "high" and elem == 4 and not config.deterministic:
-        # the bf16x3 product's hi / lo copy of a step's rows (gemm_amx.cpp, kept by the thread that runs
-        # the steps): 4 bytes per row and input of the widest linear (the down projection's, the attention
+        # the bf16x3 product's hi / lo copy of a step's rows (gemm_amx.cpp, one kept per process, whatever
+        # threads run the steps): 4 bytes per row and input of the widest linear (the down projection's, the attention
         # output's; a MoE model's dense width counted too, though its experts stay float32)
         heads = int(hf.get("num_attention_heads") or 1)
         head_dim = int(hf.get("head_dim") or hidden // heads)

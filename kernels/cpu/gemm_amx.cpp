@@ -44,8 +44,9 @@
 
 #include <algorithm>
 #include <array>
-#include <utility>
 #include <cstdint>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
@@ -213,8 +214,14 @@ namespace {
 void gemm_amx(const float* a, int64_t lda, int64_t m, int64_t k, const uint32_t* b, int64_t n, const float* bias,
               float* c, int64_t ldc, bool parallel) {
   const int64_t mp = (m + 31) / 32 * 32, num_panels = n / kPanel, stream = split_stream(k);
-  // (the calling thread's, kept: 4 bytes per row and input, as a itself; cluster/memory_plan.py counts it)
-  thread_local std::vector<uint16_t> a_split;
+  // a's hi / lo copy, kept: 4 bytes per row and input, as a itself; one per process, not per calling
+  // thread, as cluster/memory_plan.py counts it (a rank's steps run one at a time, but on two threads
+  // under the compiled graph: the actor's calls, the warm-up among them, and the graph's loop; each
+  // kept its own copy of the largest step's rows). Products called at once from two threads (two
+  // engines in one process) take turns.
+  static std::mutex split_mutex;
+  static std::vector<uint16_t> a_split;
+  const std::lock_guard<std::mutex> hold(split_mutex);
   if (a_split.size() < static_cast<size_t>(2 * mp * k)) a_split.resize(2 * mp * k);
   uint16_t *ahi = a_split.data(), *alo = ahi + mp * k;
   const auto split_a = [&](int64_t b0, int64_t b1) { split_rows(a, lda, b0 * 32, b1 * 32, m, k, ahi, alo); };

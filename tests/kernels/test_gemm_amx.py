@@ -150,3 +150,30 @@ def test_a_layer_whose_inputs_32_does_not_divide_stays_packed_float32():
     kept = _relaid(torch.randn(64, 100), ops, "split")
     assert kept.dtype == torch.float32 and kept.shape == (64 // ops.panel_width, 100, ops.panel_width)
     assert _relaid(torch.randn(64, 96), ops, "split").shape == (2, 4, 48, 16)
+
+
+def test_products_from_two_threads_at_once_keep_their_own_rows():
+    """The split copy of a product's rows is one per process (the memory plan counts one, and a rank's
+    steps run on two threads under the compiled graph); two threads multiplying at once (two engines in
+    one process) take turns with it: each gets, every time, the bits it gets alone."""
+    import threading
+
+    cases = [_case(rows, k, 256, seed=rows) for rows, k in ((300, 896), (130, 2048))]
+    splits = [_split(weight) for _, weight, _ in cases]
+    with threads(2):
+        want = [OPS.linear(x, split, bias) for (x, _, bias), split in zip(cases, splits)]
+        wrong, start = [], threading.Barrier(2)
+
+        def multiply(i: int) -> None:
+            (x, _, bias), split = cases[i], splits[i]
+            start.wait()
+            for _ in range(40):
+                if not torch.equal(OPS.linear(x, split, bias), want[i]):
+                    wrong.append(i)
+
+        runners = [threading.Thread(target=multiply, args=(i,)) for i in range(2)]
+        for runner in runners:
+            runner.start()
+        for runner in runners:
+            runner.join()
+    assert wrong == []
