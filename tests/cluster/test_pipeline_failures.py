@@ -11,6 +11,14 @@ from tests.cluster.conftest import count_in_flight, generate
 from tests.e2e.prompts import test_prompts as make_prompts
 
 
+def prompts_and_expected(path: str) -> tuple[list, SamplingParams, list]:
+    """The test prompts, greedy sampling of 12 tokens, and the tokens one process makes for them."""
+    prompts = make_prompts(path)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(model=path, num_kv_blocks=256) as reference:
+        return prompts, params, generate(reference, prompts, params)
+
+
 def run_to_the_end(core) -> tuple[dict, dict]:
     """Step the engine until every request finished: each request's final tokens and error."""
     finals, failed = {}, {}
@@ -28,10 +36,7 @@ def test_a_request_that_raises_with_steps_in_flight_fails_alone(ray_cluster, fiv
     and the running requests recomputed; steps then run one at a time, where the request fails alone.
     The others produce the tokens of a run without it."""
     path, _ = five_layers
-    prompts = make_prompts(path)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with LLM(model=path, num_kv_blocks=256) as reference:
-        expected = generate(reference, prompts, params)
+    prompts, params, expected = prompts_and_expected(path)
     with LLM(model=path, pipeline_parallel_size=2, num_kv_blocks=256, tp_dispatch=dispatch) as llm:
         core = llm.core
         counts = count_in_flight(llm)
@@ -169,10 +174,7 @@ def test_a_first_stage_that_raises_before_sending_holds_nothing_up(ray_cluster, 
     import time
 
     path, _ = five_layers
-    prompts = make_prompts(path)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with LLM(model=path, num_kv_blocks=256) as reference:
-        expected = generate(reference, prompts, params)
+    prompts, params, expected = prompts_and_expected(path)
     # one step in flight: a step that raises beside another in flight rebuilds the ranks anyway (that is
     # test_a_request_that_raises_with_steps_in_flight_fails_alone's)
     with LLM(model=path, pipeline_parallel_size=2, batches_in_flight=1, num_kv_blocks=256,
@@ -218,10 +220,7 @@ def test_a_plan_the_first_stage_cannot_read_fails_the_step_with_the_links_in_ste
     import time
 
     path, _ = five_layers
-    prompts = make_prompts(path)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with LLM(model=path, num_kv_blocks=256) as reference:
-        expected = generate(reference, prompts, params)
+    prompts, params, expected = prompts_and_expected(path)
     with LLM(model=path, pipeline_parallel_size=2, batches_in_flight=1, num_kv_blocks=256,
              tp_dispatch=dispatch) as llm:
         core = llm.core
