@@ -138,9 +138,9 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
     from engine import LLM, SamplingParams
     from engine.sampling_params import RequestOutputKind
 
-    if not 0 <= shared_prefix <= prompt_len:
-        raise ValueError(f"the shared prefix ({shared_prefix} tokens) must be between 0 and the prompt's "
-                         f"length ({prompt_len} tokens)")
+    if not 0 <= shared_prefix < prompt_len:
+        raise ValueError(f"the shared prefix ({shared_prefix} tokens) must be shorter than the prompt "
+                         f"({prompt_len} tokens), which adds a token of its own")
     torch.set_num_threads(threads)
     rng = random.Random(0)
     vocab_hi = 4000
@@ -245,9 +245,9 @@ def format_profile(result: dict) -> str:
 def run_profile_step(args: argparse.Namespace) -> int:
     from workers.model_source import resolve_model
 
-    if not 0 <= args.shared_prefix <= args.prompt_len:
-        raise SystemExit(f"kvserve profile-step: --shared-prefix ({args.shared_prefix}) must be between 0 and "
-                         f"--prompt-len ({args.prompt_len})")
+    if not 0 <= args.shared_prefix < args.prompt_len:
+        raise SystemExit(f"kvserve profile-step: --shared-prefix ({args.shared_prefix}) must be at least 0 and "
+                         f"below --prompt-len ({args.prompt_len})")
     args.model = str(resolve_model(args.model))  # a directory, a Hugging Face repo id, or the default
     result = profile_step(args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len,
                           shared_prefix=args.shared_prefix, steps=args.steps, threads=args.threads,

@@ -75,13 +75,15 @@ def test_the_products_the_precision_gives_are_named_and_measured_apart_from_the_
     assert ("of the FMA peak" in text) == (want == "float32" and bool(result["fma_peak_per_core"]))
 
 
-def test_a_shared_prefix_longer_than_the_prompt_is_refused_before_anything_starts(model_dirs):
-    """A prefix longer than the prompt made prompts of prefix + 1 tokens, which the engine refused as
-    longer than max_model_len, a message about neither flag."""
+def test_a_shared_prefix_as_long_as_the_prompt_is_refused_before_anything_starts(model_dirs):
+    """A prefix as long as the prompt or longer made prompts of prefix + 1 tokens (each sequence adds a
+    token of its own): longer than asked, and past the prompt the engine refused them as longer than
+    max_model_len, a message about neither flag."""
     from cluster.cli import main
 
-    with pytest.raises(ValueError, match=r"the shared prefix \(100 tokens\) must be between 0 and the prompt's "
-                                         r"length \(70 tokens\)"):
-        profile_step(model_dirs["llama"], num_seqs=2, prompt_len=70, shared_prefix=100, steps=1, threads=1)
-    with pytest.raises(SystemExit, match=r"--shared-prefix \(512\) must be between 0 and --prompt-len \(288\)"):
+    for prefix in (100, 70):  # as long as the prompt: prompts one token longer than asked
+        with pytest.raises(ValueError, match=rf"the shared prefix \({prefix} tokens\) must be shorter than the "
+                                             r"prompt \(70 tokens\), which adds a token of its own"):
+            profile_step(model_dirs["llama"], num_seqs=2, prompt_len=70, shared_prefix=prefix, steps=1, threads=1)
+    with pytest.raises(SystemExit, match=r"--shared-prefix \(512\) must be at least 0 and below --prompt-len \(288\)"):
         main(["profile-step", "--model", model_dirs["llama"], "--prompt-len", "288"])

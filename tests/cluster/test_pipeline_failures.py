@@ -199,7 +199,7 @@ def test_a_first_stage_that_raises_before_sending_holds_nothing_up(ray_cluster, 
 
 class _UnreadableIn:
     """Unpickles to None, except in the process ``pid``, where unpickling raises ZeroDivisionError (a plan
-    one rank cannot read: a field its code version lacks, memory it cannot get)."""
+    one rank cannot read: a class or module its code version lacks, memory it cannot get)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid

@@ -162,18 +162,22 @@ def test_products_from_two_threads_at_once_keep_their_own_rows():
     splits = [_split(weight) for _, weight, _ in cases]
     with threads(2):
         want = [OPS.linear(x, split, bias) for (x, _, bias), split in zip(cases, splits)]
-        wrong, start = [], threading.Barrier(2)
+        wrong, done, raised, start = [], [], [], threading.Barrier(2)
 
         def multiply(i: int) -> None:
             (x, _, bias), split = cases[i], splits[i]
             start.wait()
-            for _ in range(40):
-                if not torch.equal(OPS.linear(x, split, bias), want[i]):
-                    wrong.append(i)
+            try:
+                for _ in range(40):
+                    if not torch.equal(OPS.linear(x, split, bias), want[i]):
+                        wrong.append(i)
+                    done.append(i)
+            except Exception as exc:  # noqa: BLE001 - a thread's error would otherwise pass unseen
+                raised.append(exc)
 
         runners = [threading.Thread(target=multiply, args=(i,)) for i in range(2)]
         for runner in runners:
             runner.start()
         for runner in runners:
             runner.join()
-    assert wrong == []
+    assert raised == [] and wrong == [] and sorted(done) == [0] * 40 + [1] * 40
