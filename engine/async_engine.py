@@ -183,18 +183,21 @@ class AsyncLLM:
     def _check_compile(self, request_id: str) -> None:
         """The timer of a compiling request: its compile may take ``compile_timeout_s`` from when it
         started (past it: the constraint's fault, 400); one that has not started within that long
-        since the request came is refused as overload (503), the grammar threads being busy."""
+        since the request came is refused as overload (503), the grammar threads being busy, unless
+        the backend is still being built (its one-time set-up: the request waits on)."""
         entry = self._compiling.get(request_id)
         if entry is None:
             return
         manager = self.core.structured_outputs
         timeout_s, started, now = manager.compile_timeout_s, compile_started_at(entry[0]), time.monotonic()
-        if started is None and now - entry[3] >= timeout_s:
+        if started is None and now - entry[3] >= timeout_s and manager.backend_ready:
             error = EngineOverloadedError(compile_queue_message(timeout_s, manager.compile_threads))
         elif started is not None and now - started >= timeout_s:
             error = ValueError(compile_timeout_message(timeout_s))
-        else:  # not yet: look again when it would be due
+        else:  # not yet: look again when it would be due (soon, while the backend is being built)
             due = (entry[3] if started is None else started) + timeout_s
+            if started is None and not manager.backend_ready:
+                due = now + 0.05
             timer = asyncio.get_running_loop().call_later(max(0.0, due - now), self._check_compile, request_id)
             self._compiling[request_id] = (entry[0], timer, entry[2], entry[3])
             return

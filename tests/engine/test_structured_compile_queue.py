@@ -150,3 +150,45 @@ def test_offline_compiles_wait_for_a_place_left_by_a_compile_that_outlived_its_c
     assert grammars[0] is None and all(g is not None for g in grammars[1:])
     # they went on beside the one still running (3 compiled, it still pending), never past the bound
     assert (core.structured_outputs.num_compiled, core.structured_outputs.num_pending) == (3, 1)
+
+
+def slow_backend_set_up(monkeypatch, seconds: float) -> None:
+    """The structured output backend takes ``seconds`` to build (its one-time set-up at the first compile)."""
+    import engine.structured_output as structured_output
+
+    real_load = structured_output._load
+
+    def load(target: str):
+        backend = real_load(target)
+
+        class SlowToBuild(backend):
+            def __init__(self, *args, **kwargs) -> None:
+                time.sleep(seconds)
+                super().__init__(*args, **kwargs)
+
+        return SlowToBuild
+
+    monkeypatch.setattr(structured_output, "_load", load)
+
+
+def test_the_backends_one_time_set_up_is_no_compiles_time(model_dirs, monkeypatch):
+    """The backend is built at the first compile (the tokenizer's vocabulary read once: ~2 s on the 2-core
+    VM, five times that beside a busy test run). That is neither the constraint's compile time (before,
+    a one-field schema failed with "did not compile within 10 s; make it smaller") nor a compile queue
+    (503): offline and through the async engine, the first constrained request waits for it and runs."""
+    slow_backend_set_up(monkeypatch, 0.6)
+    offline = make_core(model_dirs, FakeExecutor(), structured_output_compile_timeout_s=0.3).structured_outputs
+    assert offline.compile(choice(0).structured_outputs) is not None and offline.backend_ready
+    offline.shutdown()
+    core = make_core(model_dirs, FakeExecutor(), structured_output_compile_timeout_s=0.3)
+    engine = AsyncLLM(core.config, core=core)
+
+    async def main():
+        start = asyncio.get_running_loop().time()
+        (result,) = await asyncio.gather(finish(engine, "c0", choice(0)), return_exceptions=True)
+        assert asyncio.get_running_loop().time() - start >= 0.6
+        assert str(result) == GRAMMAR_REJECTED and isinstance(result, RequestFailedError)  # compiled, admitted
+
+    asyncio.run(main())
+    assert not engine._sinks and not engine._compiling
+    engine.shutdown()
