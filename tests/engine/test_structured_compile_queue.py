@@ -173,9 +173,10 @@ def slow_backend_set_up(monkeypatch, seconds: float) -> None:
 
 def test_the_backends_one_time_set_up_is_no_compiles_time(model_dirs, monkeypatch):
     """The backend is built at the first compile (the tokenizer's vocabulary read once: ~2 s on the 2-core
-    VM, five times that beside a busy test run). That is neither the constraint's compile time (before,
-    a one-field schema failed with "did not compile within 10 s; make it smaller") nor a compile queue
-    (503): offline and through the async engine, the first constrained request waits for it and runs."""
+    VM, over 10 s beside a three-worker test run). That is neither the constraint's compile time (before,
+    a one-field tool schema failed with "did not compile within 10 s; make it smaller") nor a compile
+    queue (503): offline and through the async engine, the first constrained request waits for it and
+    runs."""
     slow_backend_set_up(monkeypatch, 0.6)
     offline = make_core(model_dirs, FakeExecutor(), structured_output_compile_timeout_s=0.3).structured_outputs
     assert offline.compile(choice(0).structured_outputs) is not None and offline.backend_ready
