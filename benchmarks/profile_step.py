@@ -131,6 +131,13 @@ def _fma_peak() -> float | None:
 MAX_BATCHED_TOKENS = SchedulerConfig().max_num_batched_tokens  # the engine's default budget of tokens a step
 
 
+def check_shared_prefix(shared_prefix: int, prompt_len: int) -> None:
+    """Each sequence's prompt is the shared prefix and at least one token of its own."""
+    if not 0 <= shared_prefix < prompt_len:
+        raise ValueError(f"the shared prefix ({shared_prefix} tokens) must be at least 0 and shorter than the "
+                         f"prompt ({prompt_len} tokens), which adds a token of its own")
+
+
 def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, shared_prefix: int = 512,
                  steps: int = 20, threads: int = 2, block_size: int = 16, attention_backend: str = "auto",
                  cascade: bool = True, kv_cache_dtype: str = "auto", kv_gib: float | None = None,
@@ -138,9 +145,7 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
     from engine import LLM, SamplingParams
     from engine.sampling_params import RequestOutputKind
 
-    if not 0 <= shared_prefix < prompt_len:
-        raise ValueError(f"the shared prefix ({shared_prefix} tokens) must be shorter than the prompt "
-                         f"({prompt_len} tokens), which adds a token of its own")
+    check_shared_prefix(shared_prefix, prompt_len)
     torch.set_num_threads(threads)
     rng = random.Random(0)
     vocab_hi = 4000
@@ -245,9 +250,10 @@ def format_profile(result: dict) -> str:
 def run_profile_step(args: argparse.Namespace) -> int:
     from workers.model_source import resolve_model
 
-    if not 0 <= args.shared_prefix < args.prompt_len:
-        raise SystemExit(f"kvserve profile-step: --shared-prefix ({args.shared_prefix}) must be at least 0 and "
-                         f"below --prompt-len ({args.prompt_len})")
+    try:  # before the model is resolved (the default one may be built first)
+        check_shared_prefix(args.shared_prefix, args.prompt_len)
+    except ValueError as exc:
+        raise SystemExit(f"kvserve profile-step: {exc} (--shared-prefix, --prompt-len)") from None
     args.model = str(resolve_model(args.model))  # a directory, a Hugging Face repo id, or the default
     result = profile_step(args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len,
                           shared_prefix=args.shared_prefix, steps=args.steps, threads=args.threads,

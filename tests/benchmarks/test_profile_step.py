@@ -81,9 +81,11 @@ def test_a_shared_prefix_as_long_as_the_prompt_is_refused_before_anything_starts
     max_model_len, a message about neither flag."""
     from cluster.cli import main
 
-    for prefix in (100, 70):  # as long as the prompt: prompts one token longer than asked
-        with pytest.raises(ValueError, match=rf"the shared prefix \({prefix} tokens\) must be shorter than the "
-                                             r"prompt \(70 tokens\), which adds a token of its own"):
+    for prefix in (100, 70, -1):  # as long as the prompt or longer: prompts longer than asked; below 0
+        with pytest.raises(ValueError, match=rf"the shared prefix \({prefix} tokens\) must be at least 0 and shorter "
+                                             r"than the prompt \(70 tokens\), which adds a token of its own"):
             profile_step(model_dirs["llama"], num_seqs=2, prompt_len=70, shared_prefix=prefix, steps=1, threads=1)
-    with pytest.raises(SystemExit, match=r"--shared-prefix \(512\) must be at least 0 and below --prompt-len \(288\)"):
+    with pytest.raises(SystemExit, match=r"kvserve profile-step: the shared prefix \(512 tokens\) must be at least 0 "
+                                         r"and shorter than the prompt \(288 tokens\), which adds a token of its own "
+                                         r"\(--shared-prefix, --prompt-len\)"):
         main(["profile-step", "--model", model_dirs["llama"], "--prompt-len", "288"])
