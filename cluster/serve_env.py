@@ -18,6 +18,10 @@
   5). A local cluster is this one machine, so a node declared dead is the whole app lost, never a
   failover; on a small machine whose cores the engine keeps busy (2 cores, a TP 2 engine rebuilding its
   ranks) the raylet missed 5 and the app died mid-start (a 32 s stall kills a node at 5, 40 s does not at 20).
+- ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30`` (``cluster_env`` too): Serve's controller gives a new
+  proxy three readiness checks of this many seconds (Serve's 5), then kills it and starts another, while
+  `serve run` waits for the first one: a proxy that took over 15 s to start (a 2-core node busy with a
+  test run's other servers) ended `serve run` with exit status 1 before the app was deployed.
 
 Measured under vLLM's serving client (shared prefix, concurrency 48, 192 prompts, 2 cores): the proxy,
 Ingress and LLMServer used 8.4 CPU-seconds with Serve's defaults, 7.5 with the first two, the proxy 3.6
@@ -56,8 +60,10 @@ DRAIN = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 # cluster: the replicas inherit them from it, and a cluster started elsewhere keeps its own choice
 CLUSTER_ENV = {HA_PROXY: "1", HARD_STOP: "3600", DRAIN: "5"}
 NODE_HEALTH = "RAY_health_check_failure_threshold"
-NODE_ENV = {NODE_HEALTH: "20"}  # every local cluster started here, with or without HAProxy
-KEYS = (*SERVE_ENV, *CLUSTER_ENV, *HAPROXY_PORTS, NODE_HEALTH)  # every variable effective_serve_env may set
+PROXY_READY = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+# every local cluster started here, with or without HAProxy
+NODE_ENV = {NODE_HEALTH: "20", PROXY_READY: "30"}
+KEYS = (*SERVE_ENV, *CLUSTER_ENV, *HAPROXY_PORTS, *NODE_ENV)  # every variable effective_serve_env may set
 
 
 def haproxy_found() -> bool:

@@ -48,7 +48,7 @@ LONG_MODULES = {
     "tests/serve/test_engine_recovery.py": 87, "tests/cluster/test_tensor_parallel.py": 68,
     "tests/serve/test_pipeline_serve.py": 67, "tests/serve/test_fleet.py": 67,
     "tests/kernels/triton/test_triton_graphs.py": 59, "tests/cluster/test_pp_beyond_one_node.py": 57,
-    "tests/serve/test_serve_env.py": 53, "tests/serve/test_autoscaling.py": 48,
+    "tests/serve/test_serve_env.py": 113, "tests/serve/test_autoscaling.py": 48,
     "tests/kernels/triton/test_triton_gemma.py": 43, "tests/kernels/triton/test_triton_moe.py": 42,
     "tests/kernels/triton/test_triton_deterministic.py": 40, "tests/serve/test_serve_app.py": 38,
     "tests/benchmarks/test_fresh_bench.py": 38, "tests/cluster/test_gemma_tp.py": 36,
@@ -200,7 +200,8 @@ def hf_cache(model_dirs, tmp_path_factory) -> dict[str, str]:
 SERVE_ENV_KEYS = ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP",
                   "RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S",
                   "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
-                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "RAY_health_check_failure_threshold")
+                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "RAY_health_check_failure_threshold",
+                  "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,8 @@ import sys
 import ray
 
 import serve_app
-from cluster.serve_env import DRAIN, HA_PROXY, HAPROXY_PORTS, HARD_STOP, KEYS, NODE_HEALTH, haproxy_found
+from cluster.serve_env import (DRAIN, HA_PROXY, HAPROXY_PORTS, HARD_STOP, KEYS, NODE_HEALTH, PROXY_READY,
+                               haproxy_found)
 
 
 def _env_vars(deployment) -> dict:
@@ -31,6 +32,7 @@ def test_both_deployments_carry_serve_env_and_the_environment_wins(model_dirs, m
     # the cluster-level ones are for the local cluster only, not carried by the replicas
     assert (os.environ[HA_PROXY], os.environ[HARD_STOP], os.environ[DRAIN]) == ("1", "3600", "5")
     assert os.environ[NODE_HEALTH] == "20"  # a local node's raylet may miss 20 health checks, not Ray's 5
+    assert os.environ[PROXY_READY] == "30"  # a new proxy gets 3 x 30 s to start, not Serve's 3 x 5
     ports = [int(os.environ[key]) for key in HAPROXY_PORTS]
     assert len(set(ports)) == 2 and all(1024 <= port < 65536 for port in ports)
     # between Ray's worker ports and the kernel's range for outgoing connections, which could take a port
@@ -76,10 +78,11 @@ def test_haproxy_where_its_binary_is_found_and_the_environment_wins(tmp_path):
     printed = _printed()
     assert {key: printed[key] for key in serve_app.SERVE_ENV} == serve_app.SERVE_ENV
     assert (printed[HA_PROXY], printed[HARD_STOP], printed[DRAIN]) == ("1", "3600", "5")
-    assert printed[NODE_HEALTH] == "20"
+    assert (printed[NODE_HEALTH], printed[PROXY_READY]) == ("20", "30")
     assert _printed(RAY_SERVE_HAPROXY_BINARY_PATH=str(tmp_path / "none")) == {
-        **serve_app.SERVE_ENV, HA_PROXY: "0", NODE_HEALTH: "20"}
+        **serve_app.SERVE_ENV, HA_PROXY: "0", NODE_HEALTH: "20", PROXY_READY: "30"}
     assert _printed(RAY_health_check_failure_threshold="7")[NODE_HEALTH] == "7"
+    assert _printed(RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="5")[PROXY_READY] == "5"
     script = tmp_path / "haproxy"
     script.write_text("#!/bin/sh\n")
     assert _printed(RAY_SERVE_HAPROXY_BINARY_PATH=str(script))[HA_PROXY] == "0"  # not executable
@@ -112,6 +115,56 @@ def test_a_local_cluster_outlives_a_raylet_stalled_for_40_seconds():
     out = subprocess.run([sys.executable, "-c", STALLED_RAYLET], env={**env, "RAY_AUTH_MODE": "disabled"},
                          capture_output=True, text=True, timeout=180, cwd=os.path.dirname(serve_app.__file__))
     assert out.stdout.strip().splitlines()[-1:] == ["ALIVE"], out.stdout[-2000:] + out.stderr[-2000:]
+
+
+STALLED_PROXY = """
+import os, signal, sys, threading, time
+from cluster.serve_env import effective_serve_env, free_port
+if sys.argv[1] == "ours":
+    effective_serve_env(set_here=True)  # as serve_app does before `serve run` starts its local cluster
+import ray
+from ray import serve
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+stalled = []
+
+def stall_the_proxy():  # no CPU for 20 s from the moment its process takes the actor
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not stalled:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                title = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if title.startswith(b"ray::") and b"Proxy" in title:
+                os.kill(int(pid), signal.SIGSTOP)
+                stalled.append(title.split(b"\\0")[0].decode())
+                time.sleep(20)
+                os.kill(int(pid), signal.SIGCONT)
+                break
+        time.sleep(0.02)
+
+threading.Thread(target=stall_the_proxy, daemon=True).start()
+try:
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    print("STARTED", stalled)
+except Exception as exc:
+    print("FAILED", stalled, type(exc).__name__)
+"""
+
+
+def test_serve_starts_beside_a_proxy_that_got_no_cpu_for_20_seconds():
+    """A local cluster started with serve_env's settings waits for a proxy that takes 20 s to start;
+    with Serve's own readiness checks (3 of 5 s, then the proxy is killed) `serve.start` fails, as
+    `serve run` did in a fresh-clone test run on 2 busy cores (exit status 1, before the app deployed)."""
+    env = {key: value for key, value in os.environ.items() if key not in KEYS and key != "RAY_ADDRESS"}
+    results = {}
+    for settings in ("ours", "serves"):
+        out = subprocess.run([sys.executable, "-c", STALLED_PROXY, settings], env={**env, "RAY_AUTH_MODE": "disabled"},
+                             capture_output=True, text=True, timeout=240, cwd=os.path.dirname(serve_app.__file__))
+        results[settings] = out.stdout.strip().splitlines()[-1:]
+        assert results[settings] and "Proxy" in results[settings][0], out.stdout[-2000:] + out.stderr[-2000:]
+    assert results["ours"][0].startswith("STARTED"), results
+    assert results["serves"][0].startswith("FAILED"), results
 
 
 def test_free_ports_lie_between_rays_worker_ports_and_the_ephemeral_range(monkeypatch):
