@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
 	$(BIN)/python -m kernels.cpu
 	touch $(STAMP)
 
-# pytest-xdist workers, each taking a whole module at a time (the longest first: tests/conftest.py). Two on
+# pytest-xdist workers, each taking a whole module at a time (the longest first: tests/conftest.py; the run
+# ends with its 40 slowest tests, which that order comes from). Two on
 # 2 cores keep only 1.1 of them busy on average (the workers wait on Ray clusters, servers and
 # subprocesses), and a fresh clone ran the suite in 22.5 min; three ran it in 19.4 and 19.8 min, but in
 # the second run a tool-call grammar in tests/serve/test_serve_app.py did not compile within the app's
@@ -36,7 +37,7 @@ ifeq ($(PROMETHEUS_PKG),missing)
 	-command -v apt-get >/dev/null && (apt-get install -y -q prometheus >/dev/null 2>&1 || \
 		(apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null))
 endif
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=40 tests
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests
