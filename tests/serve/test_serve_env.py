@@ -127,6 +127,16 @@ from ray import serve
 ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 stalled = []
 
+def ours(pid):  # a process of this cluster (its raylet, and the raylet's workers, descend from here)
+    while pid > 1:
+        try:
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == os.getpid():
+            return True
+    return False
+
 def stall_the_proxy():  # no CPU for 20 s from the moment its process takes the actor
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not stalled:
@@ -135,7 +145,7 @@ def stall_the_proxy():  # no CPU for 20 s from the moment its process takes the 
                 title = open(f"/proc/{pid}/cmdline", "rb").read()
             except OSError:
                 continue
-            if title.startswith(b"ray::") and b"Proxy" in title:
+            if title.startswith(b"ray::") and b"Proxy" in title and ours(int(pid)):
                 os.kill(int(pid), signal.SIGSTOP)
                 stalled.append(title.split(b"\\0")[0].decode())
                 time.sleep(20)
@@ -153,16 +163,20 @@ except Exception as exc:
 
 
 def test_serve_starts_beside_a_proxy_that_got_no_cpu_for_20_seconds():
-    """A local cluster started with serve_env's settings waits for a proxy that takes 20 s to start;
+    """A local cluster started with serve_env's settings waits for a proxy that takes 20 s to start (each run
+    stalls its own cluster's proxy only: a process of another test's cluster is left alone);
     with Serve's own readiness checks (3 of 5 s, then the proxy is killed) `serve.start` fails, as
     `serve run` did in a fresh-clone test run on 2 busy cores (exit status 1, before the app deployed)."""
     env = {key: value for key, value in os.environ.items() if key not in KEYS and key != "RAY_ADDRESS"}
+    runs = {settings: subprocess.Popen([sys.executable, "-c", STALLED_PROXY, settings], text=True,
+                                       env={**env, "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, cwd=os.path.dirname(serve_app.__file__))
+            for settings in ("ours", "serves")}  # two local clusters at once, each stalling its own proxy
     results = {}
-    for settings in ("ours", "serves"):
-        out = subprocess.run([sys.executable, "-c", STALLED_PROXY, settings], env={**env, "RAY_AUTH_MODE": "disabled"},
-                             capture_output=True, text=True, timeout=240, cwd=os.path.dirname(serve_app.__file__))
-        results[settings] = out.stdout.strip().splitlines()[-1:]
-        assert results[settings] and "Proxy" in results[settings][0], out.stdout[-2000:] + out.stderr[-2000:]
+    for settings, run in runs.items():
+        stdout, stderr = run.communicate(timeout=240)
+        results[settings] = stdout.strip().splitlines()[-1:]
+        assert results[settings] and "Proxy" in results[settings][0], stdout[-2000:] + stderr[-2000:]
     assert results["ours"][0].startswith("STARTED"), results
     assert results["serves"][0].startswith("FAILED"), results
 
