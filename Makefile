@@ -23,12 +23,11 @@ $(STAMP): pyproject.toml $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
 	touch $(STAMP)
 
 # pytest-xdist workers, each taking a whole module at a time (the longest first: tests/conftest.py; the run
-# ends with its 40 slowest tests, which that order comes from). Two on
-# 2 cores keep only 1.1 of them busy on average (the workers wait on Ray clusters, servers and
-# subprocesses), and a fresh clone ran the suite in 22.5 min; three ran it in 19.4 and 19.8 min, but in
-# the second run a tool-call grammar in tests/serve/test_serve_app.py did not compile within the app's
-# 10 s limit beside the third worker, so two it stays
-TEST_JOBS ?= 2
+# ends with its 40 slowest tests, which that order comes from). The workers wait on Ray clusters, servers
+# and subprocesses: on 2 cores two kept 1.1 cores busy and ran the suite in 22.5 min, three kept 1.3 busy
+# and ran it in 19.4-20.0 min (fresh clones, 2026-12-06); four overloaded them (a Serve proxy took over
+# 15 s to start and 42 tests of one worker failed)
+TEST_JOBS ?= 3
 # tests/serve/test_metrics_prometheus.py runs a real Prometheus (the Debian package) against the app
 PROMETHEUS_PKG := $(shell command -v prometheus >/dev/null 2>&1 || echo missing)
 

@@ -8,12 +8,20 @@ import sys
 
 import pytest
 
+from cluster.serve_env import NODE_ENV
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # every stop of a Serve app behind HAProxy waits this long for its Ingress replicas to drain (the users'
 # default is 5 s, ``cluster/serve_env.py``, which tests/serve/test_serve_env.py checks with the
 # environment cleared): the suite stops a few dozen apps
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+# every Ray cluster the suite starts (ray.init in a fixture, `serve run`, `ray start`) gets the node
+# tolerances `serve run` gives a local cluster of its own (``cluster/serve_env.py``: a raylet may miss 20
+# health checks, a new Serve proxy has 3 x 30 s to start): beside the other test workers on 2 cores a
+# proxy took over 15 s to start, Serve killed it, and every test of that module failed
+for _key, _value in NODE_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 def pytest_configure(config):

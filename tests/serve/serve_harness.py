@@ -21,8 +21,12 @@ def start_serve(num_cpus: int = 8) -> tuple[str, str]:
 
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     http_port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER]))
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER]))
+    except BaseException:
+        ray.shutdown()  # else every later module of this test worker fails in ray.init ("called twice")
+        raise
     return f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
 
 
