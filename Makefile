@@ -25,8 +25,8 @@ $(STAMP): pyproject.toml $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
 # pytest-xdist workers, each taking a whole module at a time (the longest first: tests/conftest.py; the run
 # ends with its 40 slowest tests, which that order comes from). The workers wait on Ray clusters, servers
 # and subprocesses: on 2 cores two kept 1.1 cores busy and ran the suite in 22.5 min, three kept 1.3 busy
-# and ran it in 19.4-20.0 min (fresh clones, 2026-12-06); four overloaded them (a Serve proxy took over
-# 15 s to start and 42 tests of one worker failed)
+# and ran it in 19.4-22.9 min (fresh clones, 2026-12-06; the VM's speed varies by the hour); four
+# overloaded them (a Serve proxy took over 15 s to start and 42 tests of one worker failed)
 TEST_JOBS ?= 3
 # tests/serve/test_metrics_prometheus.py runs a real Prometheus (the Debian package) against the app
 PROMETHEUS_PKG := $(shell command -v prometheus >/dev/null 2>&1 || echo missing)

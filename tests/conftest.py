@@ -43,28 +43,29 @@ def pytest_configure(config):
         "triton was imported before the test session could set TRITON_INTERPRET=1")
     os.environ["TRITON_INTERPRET"] = "1"
 
-# The longest modules (seconds on the 2-core VM: the sum of their tests among a `make test` run's 120
-# slowest, 2026-12-06), run first: ``make test`` spreads modules over
-# two pytest-xdist workers (``--dist loadfile``, each worker taking the next module in order when it is
-# free), so the long ones starting first leave short ones for the end instead of one worker running a
-# long module while the other waits.
+# The longest modules (seconds on the 2-core VM: the sum of their tests among the 40 slowest of a fresh
+# clone's `make test` with three workers, 2026-12-06 18:19, or among the 120 slowest of an earlier run
+# with two where that is larger), run first: ``make test`` spreads modules over its pytest-xdist workers
+# (``--dist loadfile``, each worker taking the next module in order when it is free), so the long ones
+# starting first leave short ones for the end instead of one worker running a long module while the
+# others wait.
 LONG_MODULES = {
-    "tests/cluster/test_pipeline_parallel.py": 152, "tests/cluster/test_triton_tp.py": 129,
-    "tests/kernels/test_cpu_build.py": 116, "tests/serve/test_chaos.py": 114,
-    "tests/serve/test_serve_cli.py": 101, "tests/kernels/triton/test_triton_compile.py": 96,
+    "tests/cluster/test_pipeline_parallel.py": 307, "tests/serve/test_chaos.py": 189,
+    "tests/serve/test_pipeline_serve.py": 151, "tests/serve/test_engine_recovery.py": 149,
+    "tests/kernels/triton/test_triton_compile.py": 146, "tests/serve/test_serve_cli.py": 142,
+    "tests/kernels/test_cpu_build.py": 137, "tests/cluster/test_triton_tp.py": 129,
+    "tests/serve/test_serve_env.py": 113, "tests/serve/test_overload.py": 106,
     "tests/kernels/triton/test_triton_warmup.py": 93, "tests/cluster/test_pipeline_failures.py": 88,
-    "tests/serve/test_engine_recovery.py": 87, "tests/cluster/test_tensor_parallel.py": 68,
-    "tests/serve/test_pipeline_serve.py": 67, "tests/serve/test_fleet.py": 67,
+    "tests/serve/test_fleet.py": 78, "tests/cluster/test_tensor_parallel.py": 70,
     "tests/kernels/triton/test_triton_graphs.py": 59, "tests/cluster/test_pp_beyond_one_node.py": 57,
-    "tests/serve/test_serve_env.py": 113, "tests/serve/test_autoscaling.py": 48,
+    "tests/cluster/test_pipeline_parallel_families.py": 52, "tests/serve/test_autoscaling.py": 48,
     "tests/kernels/triton/test_triton_gemma.py": 43, "tests/kernels/triton/test_triton_moe.py": 42,
-    "tests/kernels/triton/test_triton_deterministic.py": 40, "tests/serve/test_serve_app.py": 38,
+    "tests/kernels/triton/test_triton_deterministic.py": 40, "tests/serve/test_serve_app.py": 39,
     "tests/benchmarks/test_fresh_bench.py": 38, "tests/cluster/test_gemma_tp.py": 36,
-    "tests/e2e/test_kv_quant.py": 35, "tests/serve/test_overload.py": 32,
-    "tests/cluster/test_memory_plan.py": 32, "tests/cluster/test_pipeline_parallel_families.py": 30,
-    "tests/serve/test_dashboard_serve.py": 29, "tests/benchmarks/test_gpu_bench.py": 28,
-    "tests/cluster/test_multinode.py": 25, "tests/cluster/test_failure_recovery.py": 24,
-    "tests/benchmarks/test_online_vllm.py": 24, "tests/cluster/test_moe_parallel.py": 21,
+    "tests/e2e/test_kv_quant.py": 35, "tests/serve/test_dashboard_serve.py": 34,
+    "tests/cluster/test_memory_plan.py": 32, "tests/benchmarks/test_gpu_bench.py": 28,
+    "tests/cluster/test_multinode.py": 25, "tests/benchmarks/test_online_vllm.py": 25,
+    "tests/cluster/test_failure_recovery.py": 24, "tests/cluster/test_moe_parallel.py": 21,
     "tests/cluster/test_host_tier_tp.py": 20
 }
 
