@@ -131,11 +131,13 @@ def _fma_peak() -> float | None:
 MAX_BATCHED_TOKENS = SchedulerConfig().max_num_batched_tokens  # the engine's default budget of tokens a step
 
 
-def check_shared_prefix(shared_prefix: int, prompt_len: int) -> None:
-    """Each sequence's prompt is the shared prefix and at least one token of its own."""
+def check_shared_prefix(shared_prefix: int, prompt_len: int, names: tuple[str, str] = ("shared_prefix", "prompt_len")
+                        ) -> None:
+    """Each sequence's prompt is the shared prefix and at least one token of its own; ``names``: what the
+    caller calls the two (the function's arguments, or the CLI's flags)."""
     if not 0 <= shared_prefix < prompt_len:
-        raise ValueError(f"the shared prefix ({shared_prefix} tokens) must be at least 0 and shorter than the "
-                         f"prompt ({prompt_len} tokens), which adds a token of its own")
+        raise ValueError(f"{names[0]} ({shared_prefix}) must be at least 0 and below {names[1]} ({prompt_len}), "
+                         f"since each prompt adds at least one token of its own to the shared prefix")
 
 
 def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, shared_prefix: int = 512,
@@ -251,9 +253,9 @@ def run_profile_step(args: argparse.Namespace) -> int:
     from workers.model_source import resolve_model
 
     try:  # before the model is resolved (the default one may be built first)
-        check_shared_prefix(args.shared_prefix, args.prompt_len)
+        check_shared_prefix(args.shared_prefix, args.prompt_len, names=("--shared-prefix", "--prompt-len"))
     except ValueError as exc:
-        raise SystemExit(f"kvserve profile-step: {exc} (--shared-prefix, --prompt-len)") from None
+        raise SystemExit(f"kvserve profile-step: {exc}") from None
     args.model = str(resolve_model(args.model))  # a directory, a Hugging Face repo id, or the default
     result = profile_step(args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len,
                           shared_prefix=args.shared_prefix, steps=args.steps, threads=args.threads,

@@ -18,10 +18,11 @@
   5). A local cluster is this one machine, so a node declared dead is the whole app lost, never a
   failover; on a small machine whose cores the engine keeps busy (2 cores, a TP 2 engine rebuilding its
   ranks) the raylet missed 5 and the app died mid-start (a 32 s stall kills a node at 5, 40 s does not at 20).
-- ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30`` (``cluster_env`` too): Serve's controller gives a new
-  proxy three readiness checks of this many seconds (Serve's 5), then kills it and starts another, while
-  `serve run` waits for the first one: a proxy that took over 15 s to start (a 2-core node busy with a
-  test run's other servers) ended `serve run` with exit status 1 before the app was deployed.
+- ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30`` (``cluster_env`` too): Serve's controller gives a node's
+  first proxy three readiness checks of this many seconds (Serve's 5; a restarted one longer), then kills
+  it and starts another, while `serve run` waits for the first one (``serve.start``, at most 60 s): a
+  proxy that took over 15 s to start (a 2-core node busy with a test run's other servers) ended `serve
+  run` with exit status 1 before the app was deployed; now it may take up to those 60 s.
 
 Measured under vLLM's serving client (shared prefix, concurrency 48, 192 prompts, 2 cores): the proxy,
 Ingress and LLMServer used 8.4 CPU-seconds with Serve's defaults, 7.5 with the first two, the proxy 3.6
@@ -120,7 +121,8 @@ def free_port() -> int:
 
 def cluster_env() -> dict[str, str]:
     """The cluster-level settings for a local cluster started here: HAProxy where a binary is found
-    (with free ports for its exporter and stats page), off elsewhere; the node health tolerance."""
+    (with free ports for its exporter and stats page), off elsewhere; the node health tolerance and the
+    proxy's time to start (``NODE_ENV``)."""
     if not haproxy_found():
         return {HA_PROXY: "0", **NODE_ENV}
     return {**CLUSTER_ENV, **{key: str(free_port()) for key in HAPROXY_PORTS}, **NODE_ENV}

@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 # every Ray cluster the suite starts (ray.init in a fixture, `serve run`, `ray start`) gets the node
 # tolerances `serve run` gives a local cluster of its own (``cluster/serve_env.py``: a raylet may miss 20
-# health checks, a new Serve proxy has 3 x 30 s to start): beside the other test workers on 2 cores a
+# health checks, a new Serve proxy may take up to 60 s to start, not 15): beside the other workers on 2 cores a
 # proxy took over 15 s to start, Serve killed it, and every test of that module failed
 for _key, _value in NODE_ENV.items():
     os.environ.setdefault(_key, _value)

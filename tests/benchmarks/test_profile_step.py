@@ -78,14 +78,15 @@ def test_the_products_the_precision_gives_are_named_and_measured_apart_from_the_
 def test_a_shared_prefix_as_long_as_the_prompt_is_refused_before_anything_starts(model_dirs):
     """A prefix as long as the prompt or longer made prompts of prefix + 1 tokens (each sequence adds a
     token of its own): longer than asked, and past the prompt the engine refused them as longer than
-    max_model_len, a message about neither flag."""
+    max_model_len, a message about neither flag. A negative prefix is refused too."""
     from cluster.cli import main
 
-    for prefix in (100, 70, -1):  # as long as the prompt or longer: prompts longer than asked; below 0
-        with pytest.raises(ValueError, match=rf"the shared prefix \({prefix} tokens\) must be at least 0 and shorter "
-                                             r"than the prompt \(70 tokens\), which adds a token of its own"):
+    for prefix in (100, 70, -1):
+        with pytest.raises(ValueError, match=rf"^shared_prefix \({prefix}\) must be at least 0 and below prompt_len "
+                                             r"\(70\), since each prompt adds at least one token of its own to the "
+                                             r"shared prefix$"):
             profile_step(model_dirs["llama"], num_seqs=2, prompt_len=70, shared_prefix=prefix, steps=1, threads=1)
-    with pytest.raises(SystemExit, match=r"kvserve profile-step: the shared prefix \(512 tokens\) must be at least 0 "
-                                         r"and shorter than the prompt \(288 tokens\), which adds a token of its own "
-                                         r"\(--shared-prefix, --prompt-len\)"):
+    with pytest.raises(SystemExit, match=r"^kvserve profile-step: --shared-prefix \(512\) must be at least 0 and "
+                                         r"below --prompt-len \(288\), since each prompt adds at least one token of "
+                                         r"its own to the shared prefix$"):
         main(["profile-step", "--model", model_dirs["llama"], "--prompt-len", "288"])

@@ -32,7 +32,7 @@ print(json.dumps(ray.get(engine.stats.remote(), timeout=60)["worker_nodes"]))
 def start_node(temp_dir: str, *args: str) -> None:
     result = subprocess.run([RAY, "start", f"--temp-dir={temp_dir}", "--num-cpus=2", "--disable-usage-stats",
                              f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
-                             *args], cwd=ROOT, env={**env(), **NODE_ENV}, capture_output=True, text=True,
+                             *args], cwd=ROOT, env={**NODE_ENV, **env()}, capture_output=True, text=True,
                             timeout=180)  # the node tolerances serve_env gives a local cluster (docs/serving.md)
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -60,8 +60,14 @@ def test_serve_run_at_pp2_across_two_nodes_answers_the_openai_client(model_dirs,
         with open(tmp_path / "serve_run.log", "wb") as log:  # (the child keeps its own descriptor)
             proc = subprocess.Popen([SERVE, "run", str(path)], cwd=ROOT, env={**env(), "RAY_ADDRESS": address},
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for(lambda: proc.poll() is not None or completes(base_url), timeout_s=240, interval_s=1)
-        assert proc.poll() is None, f"serve run exited: {(tmp_path / 'serve_run.log').read_text()[-3000:]}"
+        def log() -> str:
+            return (tmp_path / "serve_run.log").read_text(errors="replace")[-3000:]
+
+        try:
+            wait_for(lambda: proc.poll() is not None or completes(base_url), timeout_s=240, interval_s=1)
+        except Exception as exc:
+            raise AssertionError(f"serve run did not answer: {log()}") from exc
+        assert proc.poll() is None, f"serve run exited: {log()}"
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
         completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.0,
                                                extra_body={"ignore_eos": True})

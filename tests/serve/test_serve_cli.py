@@ -89,7 +89,7 @@ def test_serve_deploy_onto_a_running_cluster(model_dirs, tmp_path):
     gcs_port = free_port()
     started = subprocess.run([RAY, "start", "--head", "--num-cpus=4", f"--port={gcs_port}",
                               "--include-dashboard=true", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}"],
-                             cwd=ROOT, env={**env(), **NODE_ENV}, capture_output=True, text=True, timeout=180)
+                             cwd=ROOT, env={**NODE_ENV, **env()}, capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stderr[-2000:]
     try:
         subprocess.run([SERVE, "deploy", str(path), "--address", f"http://127.0.0.1:{dashboard}"],

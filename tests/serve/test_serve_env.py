@@ -4,6 +4,7 @@ deployments; an environment that sets them wins; HAProxy only where its binary i
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -118,13 +119,15 @@ def test_a_local_cluster_outlives_a_raylet_stalled_for_40_seconds():
 
 
 STALLED_PROXY = """
-import os, signal, sys, threading, time
-from cluster.serve_env import effective_serve_env, free_port
-if sys.argv[1] == "ours":
-    effective_serve_env(set_here=True)  # as serve_app does before `serve run` starts its local cluster
+import json, os, signal, sys, threading, time
+from cluster.serve_env import PROXY_READY, effective_serve_env, free_port
+if sys.argv[1] == "serves":
+    os.environ[PROXY_READY] = "5"  # Serve's own readiness checks; every other setting as ours
+effective_serve_env(set_here=True)  # as serve_app does before `serve run` starts its local cluster
 import ray
 from ray import serve
 ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+STALL_S = float(sys.argv[2])
 stalled = []
 
 def ours(pid):  # a process of this cluster (its raylet, and the raylet's workers, descend from here)
@@ -137,7 +140,7 @@ def ours(pid):  # a process of this cluster (its raylet, and the raylet's worker
             return True
     return False
 
-def stall_the_proxy():  # no CPU for 20 s from the moment its process takes the actor
+def stall_the_proxy():  # no CPU for STALL_S from the moment its process takes the actor
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not stalled:
         for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -148,37 +151,52 @@ def stall_the_proxy():  # no CPU for 20 s from the moment its process takes the 
             if title.startswith(b"ray::") and b"Proxy" in title and ours(int(pid)):
                 os.kill(int(pid), signal.SIGSTOP)
                 stalled.append(title.split(b"\\0")[0].decode())
-                time.sleep(20)
-                os.kill(int(pid), signal.SIGCONT)
+                time.sleep(STALL_S)
+                try:
+                    os.kill(int(pid), signal.SIGCONT)
+                except ProcessLookupError:  # Serve killed it meanwhile
+                    pass
                 break
         time.sleep(0.02)
 
 threading.Thread(target=stall_the_proxy, daemon=True).start()
+start = time.monotonic()
 try:
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-    print("STARTED", stalled)
+    outcome = "started"
 except Exception as exc:
-    print("FAILED", stalled, type(exc).__name__)
+    outcome = type(exc).__name__
+print(json.dumps({"outcome": outcome, "stalled": stalled, "seconds": time.monotonic() - start}))
 """
+STALL_S = 25  # Serve kills the proxy at about 3 x 5 s, then 5 s of graceful stop; ours waits 30 s a check
 
 
-def test_serve_starts_beside_a_proxy_that_got_no_cpu_for_20_seconds():
-    """A local cluster started with serve_env's settings waits for a proxy that takes 20 s to start (each run
-    stalls its own cluster's proxy only: a process of another test's cluster is left alone);
-    with Serve's own readiness checks (3 of 5 s, then the proxy is killed) `serve.start` fails, as
-    `serve run` did in a fresh-clone test run on 2 busy cores (exit status 1, before the app deployed)."""
+def test_serve_starts_beside_a_proxy_that_got_no_cpu_for_25_seconds():
+    """A local cluster started with serve_env's settings waits for a proxy that takes 25 s to start; with
+    Serve's own readiness checks (3 of 5 s, then the proxy is killed) and every other setting the same,
+    `serve.start` fails with ActorDiedError, as `serve run` did in a fresh-clone test run on 2 busy cores
+    (exit status 1, before the app deployed). Each run stalls its own cluster's proxy only (a process of
+    another test's cluster is left alone), so the two run at once."""
     env = {key: value for key, value in os.environ.items() if key not in KEYS and key != "RAY_ADDRESS"}
-    runs = {settings: subprocess.Popen([sys.executable, "-c", STALLED_PROXY, settings], text=True,
+    runs = {settings: subprocess.Popen([sys.executable, "-c", STALLED_PROXY, settings, str(STALL_S)], text=True,
                                        env={**env, "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, cwd=os.path.dirname(serve_app.__file__))
-            for settings in ("ours", "serves")}  # two local clusters at once, each stalling its own proxy
+            for settings in ("ours", "serves")}
     results = {}
-    for settings, run in runs.items():
-        stdout, stderr = run.communicate(timeout=240)
-        results[settings] = stdout.strip().splitlines()[-1:]
-        assert results[settings] and "Proxy" in results[settings][0], stdout[-2000:] + stderr[-2000:]
-    assert results["ours"][0].startswith("STARTED"), results
-    assert results["serves"][0].startswith("FAILED"), results
+    try:
+        for settings, run in runs.items():
+            stdout, stderr = run.communicate(timeout=240)
+            lines = stdout.strip().splitlines()
+            assert lines, f"the {settings} run printed nothing: {stderr[-3000:]}"
+            results[settings] = json.loads(lines[-1])
+            assert results[settings]["stalled"], f"the {settings} run found no proxy of its cluster to stall"
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    assert results["ours"]["outcome"] == "started" and results["ours"]["seconds"] >= STALL_S, results
+    assert results["serves"]["outcome"] == "ActorDiedError", results
 
 
 def test_free_ports_lie_between_rays_worker_ports_and_the_ephemeral_range(monkeypatch):
