@@ -60,14 +60,15 @@ def test_serve_run_at_pp2_across_two_nodes_answers_the_openai_client(model_dirs,
         with open(tmp_path / "serve_run.log", "wb") as log:  # (the child keeps its own descriptor)
             proc = subprocess.Popen([SERVE, "run", str(path)], cwd=ROOT, env={**env(), "RAY_ADDRESS": address},
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        def log() -> str:
+
+        def serve_run_log() -> str:
             return (tmp_path / "serve_run.log").read_text(errors="replace")[-3000:]
 
         try:
             wait_for(lambda: proc.poll() is not None or completes(base_url), timeout_s=240, interval_s=1)
         except Exception as exc:
-            raise AssertionError(f"serve run did not answer: {log()}") from exc
-        assert proc.poll() is None, f"serve run exited: {log()}"
+            raise AssertionError(f"serve run did not answer: {serve_run_log()}") from exc
+        assert proc.poll() is None, f"serve run exited: {serve_run_log()}"
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
         completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.0,
                                                extra_body={"ignore_eos": True})

@@ -33,7 +33,7 @@ def test_both_deployments_carry_serve_env_and_the_environment_wins(model_dirs, m
     # the cluster-level ones are for the local cluster only, not carried by the replicas
     assert (os.environ[HA_PROXY], os.environ[HARD_STOP], os.environ[DRAIN]) == ("1", "3600", "5")
     assert os.environ[NODE_HEALTH] == "20"  # a local node's raylet may miss 20 health checks, not Ray's 5
-    assert os.environ[PROXY_READY] == "30"  # a new proxy gets 3 x 30 s to start, not Serve's 3 x 5
+    assert os.environ[PROXY_READY] == "30"  # a new proxy may take up to 60 s to start, not Serve's 15
     ports = [int(os.environ[key]) for key in HAPROXY_PORTS]
     assert len(set(ports)) == 2 and all(1024 <= port < 65536 for port in ports)
     # between Ray's worker ports and the kernel's range for outgoing connections, which could take a port
@@ -120,6 +120,7 @@ def test_a_local_cluster_outlives_a_raylet_stalled_for_40_seconds():
 
 STALLED_PROXY = """
 import json, os, signal, sys, threading, time
+from benchmarks.server_process import with_descendants
 from cluster.serve_env import PROXY_READY, effective_serve_env, free_port
 if sys.argv[1] == "serves":
     os.environ[PROXY_READY] = "5"  # Serve's own readiness checks; every other setting as ours
@@ -130,30 +131,20 @@ ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 STALL_S = float(sys.argv[2])
 stalled = []
 
-def ours(pid):  # a process of this cluster (its raylet, and the raylet's workers, descend from here)
-    while pid > 1:
-        try:
-            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-        if pid == os.getpid():
-            return True
-    return False
-
 def stall_the_proxy():  # no CPU for STALL_S from the moment its process takes the actor
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not stalled:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        for pid in with_descendants([os.getpid()]):  # this cluster's: its raylet, and the raylet's workers
             try:
                 title = open(f"/proc/{pid}/cmdline", "rb").read()
             except OSError:
                 continue
-            if title.startswith(b"ray::") and b"Proxy" in title and ours(int(pid)):
-                os.kill(int(pid), signal.SIGSTOP)
+            if title.startswith(b"ray::") and b"Proxy" in title:
+                os.kill(pid, signal.SIGSTOP)
                 stalled.append(title.split(b"\\0")[0].decode())
                 time.sleep(STALL_S)
                 try:
-                    os.kill(int(pid), signal.SIGCONT)
+                    os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:  # Serve killed it meanwhile
                     pass
                 break
