@@ -35,6 +35,9 @@ class CpuLayerOps:
         # lo halves ([N / 32, 4, K / 2, 16] int32, N and K multiples of 32, gemm.h) for the bf16x3 product
         self.amx_usable = bool(ops.amx_usable())
         self.split_linear_weight = ops.split_linear_weight.default  # (weight [N, K], out) -> None
+        # expert weights [E, N, K] split the same way ([E, Np / 32, 4, K / 2, 16] int32, N padded to Np, K a
+        # multiple of 32): moe_experts takes them for w13, w2 or both, in place of packed ones
+        self.moe_split_weight = ops.moe_split_weight.default
 
     def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
-// Mixture-of-experts expert compute on CPU (float32): the tokens routed to this rank's experts, grouped
-// by expert, each expert's rows run as two packed products (gemm.h) with SiLU-and-multiply between, and
-// each token's expert outputs combined with its routing weights.
+// Mixture-of-experts expert compute on CPU (float32 activations): the tokens routed to this rank's
+// experts, grouped by expert, each expert's rows run as two products (gemm.h) with SiLU-and-multiply
+// between, and each token's expert outputs combined with its routing weights.
 //
 //   pairs (token t, slot s) with expert e = topk_ids[t, s] - expert_start in [0, E): counted and
 //   sorted per expert by a stable counting sort (rows in token order within an expert);
@@ -10,13 +10,24 @@
 //   rows: decodes) whole experts shared out to the threads;
 //   out[t] = sum over s = 0 .. k-1 (in that order, local experts only) of topk_weights[t, s] * y[t, s].
 //
-// Batch-invariant in every mode: each product's element is one chain over its inputs in order
-// (gemm.h), whatever rows the expert has or the threads; the combine walks a token's slots in order.
-// So a token's result depends on its own inputs and routing only (what deterministic mode needs).
+// Weights are laid out once, w13 and w2 each in one of two layouts (moe_experts takes either for
+// either, and runs each expert's product on the layout's kernel):
+// - packed (moe_pack_weight, the default; gemm_packed): [E, N, K] -> [E, Np / kPanel, K, kPanel]
+//   float32, the output features padded with zeros to Np, a multiple of the panel width, so any width
+//   runs the packed product (the padded columns are computed and never read);
+// - split (moe_split_weight, cpu_matmul_precision "high" where the CPU grants AMX tiles; gemm_split):
+//   [E, N, K] -> [E, Np / 32, 4, K / 2, 16] int32, each expert's matrix split into bfloat16 hi and lo
+//   halves as split_weight splits a linear weight, padded to Np as above; K a multiple of 32 (a width
+//   32 does not divide stays packed: workers/layers/moe.py). An expert's product of kAmxMinRows rows
+//   and more runs as three bfloat16 products on AMX tiles, of fewer as float32 multiply-adds against
+//   the rebuilt weight (gemm_amx.cpp).
 //
-// Weights are packed once (moe_pack_weight): [E, N, K] -> [E, Np / kPanel, K, kPanel], the output
-// features padded with zeros to Np, a multiple of the panel width, so any width runs the packed product
-// (the padded columns are computed and never read).
+// Batch-invariant with packed weights in every mode: each product's element is one chain over its
+// inputs in order (gemm.h), whatever rows the expert has or the threads; the combine walks a token's
+// slots in order. So a token's result depends on its own inputs and routing only (what deterministic
+// mode needs, which keeps the packed layout). With split weights each of the two regimes is
+// batch- and thread-invariant too, but which one an expert's product takes follows how many rows
+// the batch routed to that expert (below kAmxMinRows or not), and the two do not agree bit for bit.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
@@ -77,22 +88,89 @@ at::Tensor moe_pack_weight(const at::Tensor& weight) {
   return out;
 }
 
-// x [T, H]; w13 packed from [E, 2I, H] (gate rows then up rows); w2 packed from [E, H, I];
+// [E, N, K] float32 -> [E, Np / 32, 4, K / 2, 16] int32: expert e's weight split for the bf16x3 product
+// exactly as split_weight lays out a linear weight (gemm.h), output features N..Np-1 zero (Np a multiple
+// of 32, the panel width where the AMX product runs). K a positive multiple of 32; only where
+// amx_usable().
+at::Tensor moe_split_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == at::kFloat, "moe_split_weight takes a float32 [E, N, K] weight");
+  const int64_t e = weight.size(0), n = weight.size(1), k = weight.size(2);
+  TORCH_CHECK(k > 0 && k % 32 == 0, "moe_split_weight needs a positive multiple of 32 input features, not ", k);
+  TORCH_CHECK(amx_usable() && kPanel == 32,
+              "the bf16x3 product needs AMX tiles, which this CPU, OS or build does not grant");
+  const at::Tensor w = weight.contiguous();
+  const int64_t panels = round_up(n, 32) / 32, full = n / 32 * 32, words = 4 * (k / 2) * 16;  // words per panel
+  at::Tensor out = at::empty({e, panels, 4, k / 2, 16}, w.options().dtype(at::kInt));
+  const float* src = w.data_ptr<float>();
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  std::vector<float> tail(n > full ? 32 * k : 0, 0.0f);  // the last panel's columns, zeros past N
+  for (int64_t x = 0; x < e; ++x) {
+    const float* we = src + x * n * k;
+    uint32_t* de = dst + x * panels * words;
+    if (full > 0) split_weight(we, full, k, 1, k, de);
+    if (n > full) {
+      std::copy_n(we + full * k, (n - full) * k, tail.begin());
+      split_weight(tail.data(), 32, k, 1, k, de + full / 32 * words);
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// One expert weight of moe_experts: float32 panels packed by moe_pack_weight (gemm_packed) or int32
+// words split by moe_split_weight (gemm_split); its n output features (padded) and k inputs.
+struct ExpertWeight {
+  const float* packed = nullptr;
+  const uint32_t* split = nullptr;
+  int64_t experts = 0, n = 0, k = 0, per_expert = 0;  // per_expert: floats or words
+
+  // c [m, n] (rows ldc apart) = a [m, k] (rows lda apart) . expert e's weight
+  void product(int64_t e, const float* a, int64_t lda, int64_t m, float* c, int64_t ldc, bool parallel) const {
+    if (split != nullptr)
+      gemm_split(a, lda, m, k, split + e * per_expert, n, nullptr, c, ldc, parallel);
+    else
+      gemm_packed(a, lda, m, k, packed + e * per_expert, n, nullptr, c, ldc, parallel);
+  }
+};
+
+ExpertWeight expert_weight(const at::Tensor& w) {
+  ExpertWeight out;
+  if (w.dim() == 4 && w.size(3) == kPanel && w.is_contiguous() && w.scalar_type() == at::kFloat) {
+    out.packed = w.data_ptr<float>();
+    out.n = w.size(1) * kPanel;
+    out.k = w.size(2);
+  } else if (w.dim() == 5 && w.size(2) == 4 && w.size(4) == 16 && w.size(3) > 0 && w.size(3) % 16 == 0 &&
+             w.is_contiguous() && w.scalar_type() == at::kInt) {
+    out.split = reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>());
+    out.n = w.size(1) * 32;
+    out.k = w.size(3) * 2;
+  } else {
+    TORCH_CHECK(false, "moe_experts takes weights packed by moe_pack_weight or split by moe_split_weight");
+  }
+  out.experts = w.size(0);
+  out.per_expert = out.n * out.k;
+  return out;
+}
+
+}  // namespace
+
+// x [T, H]; w13 from [E, 2I, H] (gate rows then up rows) and w2 from [E, H, I], each packed
+// (moe_pack_weight) or split (moe_split_weight), independently;
 // topk_weights float32 [T, k]; topk_ids int64 [T, k] (global expert ids; those outside [expert_start,
 // expert_start + E) are another rank's and add nothing here) -> [T, H].
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                        const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t expert_start,
                        int64_t intermediate) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts takes float32 x [tokens, hidden]");
-  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.size(3) == kPanel && w2.size(3) == kPanel &&
-                  w13.is_contiguous() && w2.is_contiguous() && w13.scalar_type() == at::kFloat &&
-                  w2.scalar_type() == at::kFloat,
-              "moe_experts takes weights packed by moe_pack_weight");
-  const int64_t t = x.size(0), h = x.size(1), num_experts = w13.size(0), inter = intermediate;
-  const int64_t n13 = w13.size(1) * kPanel, n2 = w2.size(1) * kPanel;
-  TORCH_CHECK(w2.size(0) == num_experts && w13.size(2) == h && w2.size(2) == inter && n13 >= 2 * inter && n2 >= h,
+  const ExpertWeight up = expert_weight(w13), down = expert_weight(w2);
+  const int64_t t = x.size(0), h = x.size(1), num_experts = up.experts, inter = intermediate;
+  const int64_t n13 = up.n, n2 = down.n;
+  TORCH_CHECK(down.experts == num_experts && up.k == h && down.k == inter && n13 >= 2 * inter && n2 >= h,
               "moe_experts: w13 ", w13.sizes(), " and w2 ", w2.sizes(), " do not fit hidden ", h, " and intermediate ",
               inter);
+  TORCH_CHECK((up.split == nullptr && down.split == nullptr) || amx_usable(),
+              "moe_experts: a weight split for the bf16x3 product needs a CPU and OS that grant AMX tiles");
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == t && topk_ids.scalar_type() == at::kLong &&
                   topk_weights.sizes() == topk_ids.sizes() && topk_weights.scalar_type() == at::kFloat,
               "moe_experts takes int64 topk_ids and float32 topk_weights, both [tokens, top_k]");
@@ -124,8 +202,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   at::Tensor out = at::empty({t, h}, x.options());
   at::Tensor ys = at::empty({std::max<int64_t>(total, 1), n2}, x.options());  // a pair's expert output, by row
   float* yp = ys.data_ptr<float>();
-  const float* w13p = w13.data_ptr<float>();
-  const float* w2p = w2.data_ptr<float>();
   // one expert's rows [r0, r0 + m): gather, gate|up, SiLU-and-multiply, down into ys (scratch: its
   // rows, gate|up and activation, each `most` rows); `parallel`: the products split across threads
   const auto run_expert = [&](int64_t e, float* rp, float* gp, float* ap, bool parallel) {
@@ -133,9 +209,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
     at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(h, 1)), [&](int64_t b, int64_t end) {
       for (int64_t r = b; r < end; ++r) std::copy_n(xp + order[r0 + r] / k * h, h, rp + r * h);
     });
-    gemm_packed(rp, h, m, h, w13p + e * w13.size(1) * h * kPanel, n13, nullptr, gp, n13, parallel);
+    up.product(e, rp, h, m, gp, n13, parallel);
     silu_mul_rows(gp, n13, m, inter, ap);
-    gemm_packed(ap, inter, m, inter, w2p + e * w2.size(1) * inter * kPanel, n2, nullptr, yp + r0 * n2, n2, parallel);
+    down.product(e, ap, inter, m, yp + r0 * n2, n2, parallel);
   };
   std::vector<int64_t> active;
   for (int64_t e = 0; e < num_experts; ++e)

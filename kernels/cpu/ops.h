@@ -37,6 +37,7 @@ bool amx_usable();
 
 // moe.cpp
 at::Tensor moe_pack_weight(const at::Tensor& weight);
+at::Tensor moe_split_weight(const at::Tensor& weight);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
                        const at::Tensor& topk_ids, int64_t expert_start, int64_t intermediate);
 

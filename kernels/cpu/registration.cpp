@@ -33,6 +33,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("fma_peak(int iterations, bool parallel=False) -> float", &fma_peak);
   m.def("amx_usable() -> bool", &amx_usable);
   m.def("moe_pack_weight(Tensor weight) -> Tensor");
+  m.def("moe_split_weight(Tensor weight) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int expert_start, "
         "int intermediate) -> Tensor");
   m.def("bind_threads(int[] cores) -> int[]", &bind_threads);
@@ -52,6 +53,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("split_linear_weight", &split_linear_weight);
   m.impl("moe_pack_weight", &moe_pack_weight);
+  m.impl("moe_split_weight", &moe_split_weight);
   m.impl("moe_experts", &moe_experts);
 }
 
