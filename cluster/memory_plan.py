@@ -150,10 +150,12 @@ def activation_bytes(config: EngineConfig, elem: int) -> int:
     if config.cpu_matmul_precision == "high" and elem == 4 and not config.deterministic:
         # the bf16x3 product's hi / lo copy of a step's rows (gemm_amx.cpp, one kept per process, whatever
         # threads run the steps): 4 bytes per row and input of the widest linear (the down projection's, the attention
-        # output's; a MoE model's dense width counted too, though its experts stay float32)
+        # output's; a MoE model's dense width counted too, and its experts' down projection, whole under
+        # expert parallelism: an expert's product has at most a row per token)
         heads = int(hf.get("num_attention_heads") or 1)
         head_dim = int(hf.get("head_dim") or hidden // heads)
-        width += max(hidden, inter // tp, heads * head_dim // tp)
+        expert_inputs = per_expert if hf.get("num_experts_per_tok") else 0
+        width += max(hidden, inter // tp, expert_inputs, heads * head_dim // tp)
     return config.scheduler.max_num_batched_tokens * width * elem
 
 

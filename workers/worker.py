@@ -224,7 +224,8 @@ class Worker:
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.runner.attention_backend.name,
             # the compiled CPU linear's products: "bf16x3" (cpu_matmul_precision "high" on AMX: the float32
-            # layers whose input and output features 32 divides; MoE experts stay float32) or "float32"
+            # layers whose input and output features 32 divides, MoE experts' weights whose inputs it divides)
+            # or "float32"
             "cpu_matmul": self.runner.matmul,
             "device": str(self.device),
             # decode batch sizes that replay a CUDA graph (none: every step runs eagerly)

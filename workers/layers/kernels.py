@@ -105,21 +105,21 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False, p
     linear weights out for the compiled linear (``linear_layout``). Call after the weights are
     loaded. ``deterministic``: the linear layers run batch-invariant products (the packed one, else
     the fixed-order linear). ``precision`` (``cpu_matmul_precision``): "high" splits the packed
-    layout's weights for the bf16x3 product where the CPU grants AMX tiles, except under
-    ``deterministic`` (its products are the fixed float32 chains). Returns what the float32 linear
-    layers run: "bf16x3" (where any weight was split) or "float32"."""
+    layout's weights, the MoE experts' among them, for the bf16x3 product where the CPU grants AMX
+    tiles, except under ``deterministic`` (its products are the fixed float32 chains). Returns what
+    the float32 linear layers and experts run: "bf16x3" (where any weight was split) or "float32"."""
     linear = layer_ops.linear_fixed_order if deterministic else layer_ops.linear
     layout = linear_layout()
     if layout == "packed" and precision == "high" and layer_ops.amx_usable and not deterministic:
         layout = "split"  # (weights whose output features 32 does not divide keep the transposed layout,
         # those whose input features it does not divide the packed one)
     logger.info("CPU linear layers: %s layout", layout)
-    relaid = []
+    relaid, experts_split = [], False
     for module in model.modules():
         if hasattr(module, "ops"):  # RMSNorm, RotaryEmbedding, gated MLPs: they declare the slot
             module.ops = layer_ops
-        if isinstance(module, FusedMoE):  # expert weights in padded column panels for moe.cpp
-            module.pack_for_cpu(layer_ops)
+        if isinstance(module, FusedMoE):  # expert weights in padded column panels for moe.cpp, or split
+            experts_split |= module.pack_for_cpu(layer_ops, split=layout == "split")
         if isinstance(module, (ReplicatedLinear, _ColumnShards, RowParallelLinear)):
             module.weight.data = _relaid(module.weight.data, layer_ops, layout)
             relaid.append(module.weight.data)
@@ -138,5 +138,6 @@ def bind_cpu_kernels(model: nn.Module, layer_ops, deterministic: bool = False, p
         for module in model.modules():
             if hasattr(module, "bind_decoder_stack"):
                 module.bind_decoder_stack(layer_ops)
-    # bf16x3 where any weight was split (a split weight is 4-D): none is where 32 divides no layer's widths
-    return "bf16x3" if any(w.dim() == 4 for w in relaid) else "float32"
+    # bf16x3 where any weight was split (a split linear weight is 4-D; MoE experts' too): none is where 32
+    # divides no layer's widths
+    return "bf16x3" if experts_split or any(w.dim() == 4 for w in relaid) else "float32"

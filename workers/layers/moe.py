@@ -2,7 +2,8 @@
 
 The router (``gate``, replicated) scores every expert; ``select_experts`` picks each token's top k
 in float32 (``kernels.torch_moe``); the experts run grouped by expert: the compiled CPU op
-(``moe.cpp``, weights packed once in column panels), the Triton fused-MoE kernel (``fused_ops``), or
+(``moe.cpp``, weights packed once in column panels, or under ``cpu_matmul_precision="high"`` split
+for the bf16x3 product on AMX tiles), the Triton fused-MoE kernel (``fused_ops``), or
 plain torch. The rank's partial output is summed over the group by the all-reduce every row-parallel
 layer uses.
 
@@ -68,7 +69,7 @@ class FusedMoE(nn.Module):
 
     ``w13_weight`` [local experts, 2 x intermediate on this rank, hidden] (gate rows, then up rows)
     and ``w2_weight`` [local experts, hidden, intermediate on this rank], as loaded; on the compiled
-    CPU path they are re-laid out in column panels (``pack_for_cpu``)."""
+    CPU path they are re-laid out in column panels, or split for the bf16x3 product (``pack_for_cpu``)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  hidden_act: str, tp: TPGroup, dtype: torch.dtype, device: torch.device,
@@ -110,13 +111,23 @@ class FusedMoE(nn.Module):
         else:
             copy_weight(param.data[local, part * i:(part + 1) * i], weight[start:start + i])
 
-    def pack_for_cpu(self, layer_ops) -> None:
-        """Lay the expert weights out for the compiled op (float32, SiLU experts; others keep plain torch)."""
+    def pack_for_cpu(self, layer_ops, split: bool = False) -> bool:
+        """Lay the expert weights out for the compiled op (float32, SiLU experts; others keep plain torch):
+        in padded column panels for the float32 product, or with ``split`` (``bind_cpu_kernels``' "split"
+        layout: ``cpu_matmul_precision="high"`` where the CPU grants AMX tiles) split into bfloat16 hi and
+        lo halves for the bf16x3 product, each of w13 and w2 whose input features (hidden, intermediate)
+        32 divides; the other stays in panels. Returns whether any was split."""
         if self.w13_weight.dtype != torch.float32 or self.act is not F.silu:
-            return
-        self.w13_weight.data = layer_ops.moe_pack_weight(self.w13_weight.data)
-        self.w2_weight.data = layer_ops.moe_pack_weight(self.w2_weight.data)
+            return False
+        split_any = False
+        for param in (self.w13_weight, self.w2_weight):
+            if split and param.shape[2] > 0 and param.shape[2] % 32 == 0:
+                param.data = layer_ops.moe_split_weight(param.data)
+                split_any = True
+            else:
+                param.data = layer_ops.moe_pack_weight(param.data)
         self.cpu_experts = layer_ops.moe_experts
+        return split_any
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
