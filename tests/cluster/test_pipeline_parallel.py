@@ -106,31 +106,63 @@ def test_each_stage_holds_and_loads_only_its_share_of_the_checkpoint(five_layers
     assert "model.embed_tokens.weight" not in held[2] and {"model.norm.weight", "lm_head.weight"} <= set(held[2])
 
 
-def test_pp2_matches_hf_and_one_rank(ray_cluster, model_dirs, hf_oracle):
+def test_pp2_matches_hf_and_one_rank_with_two_steps_in_flight_or_one(ray_cluster, model_dirs, hf_oracle):
+    """By actor calls PP 2 keeps a step in each stage (the default, one per stage);
+    batches_in_flight=1 sends one at a time. The tokens of one rank, exact against Hugging Face, and
+    every block comes back."""
     prompts = make_prompts(model_dirs["llama"])
     with LLM(model=model_dirs["llama"], num_kv_blocks=256) as llm1:
         expected, one = generate(llm1, prompts), llm1.stats()
-    with LLM(model=model_dirs["llama"], pipeline_parallel_size=2, num_kv_blocks=256) as llm:
-        tokens, stats = generate(llm, prompts), llm.stats()
-    assert tokens == expected
+    runs = {}
+    for in_flight in (None, 1):
+        with LLM(model=model_dirs["llama"], pipeline_parallel_size=2, num_kv_blocks=256,
+                 batches_in_flight=in_flight) as llm:
+            counts = count_in_flight(llm)
+            runs[in_flight] = generate(llm, prompts), llm.stats()
+        # (one at a time is the engine's plain step: nothing goes through submit)
+        assert max(counts, default=1) == (in_flight or 2) and runs[in_flight][1]["num_blocks_in_use"] == 0
+    tokens, stats = runs[None]
+    assert tokens == expected and runs[1][0] == expected
     for prompt, out in zip(prompts, tokens):
         hf_oracle("llama").assert_greedy(prompt, out)
     # each stage holds one of the two layers' KV; the scheduler is the one of a single rank
     assert stats["kv_pool_bytes_by_rank"] == [one["kv_pool_bytes_per_rank"] // 2] * 2
     assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (one["prefix_cache_queries"],
                                                                         one["prefix_cache_hits"])
-    assert stats["num_blocks_in_use"] == 0
 
 
-def test_pp2_by_tp2_matches_hf(ray_cluster, five_layers):
+def test_pp2_by_tp2_matches_hf_and_a_second_stage_rank_killed_mid_run_changes_no_token(ray_cluster, five_layers):
+    """PP 2 x TP 2 exact against Hugging Face, each stage's pool split over its ranks. Then, in the same
+    engine, a rank of the second stage is killed mid-run: the whole group is rebuilt (each stage is
+    useless without the others) and the running requests are recomputed: the tokens of a run without
+    the failure."""
     path, oracle = five_layers
     prompts = make_prompts(path)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     with LLM(model=path, pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=256) as llm:
         tokens, stats = generate(llm, prompts), llm.stats()
-    for prompt, out in zip(prompts, tokens):
-        oracle.assert_greedy(prompt, out)
-    pool = stats["kv_pool_bytes_by_rank"]  # stage 0 holds 3 layers, stage 1 two, each over two ranks
-    assert len(pool) == 4 and pool[0] == pool[1] and pool[2] == pool[3] and 2 * pool[0] == 3 * pool[2]
+        for prompt, out in zip(prompts, tokens):
+            oracle.assert_greedy(prompt, out)
+        pool = stats["kv_pool_bytes_by_rank"]  # stage 0 holds 3 layers, stage 1 two, each over two ranks
+        assert len(pool) == 4 and pool[0] == pool[1] and pool[2] == pool[3] and 2 * pool[0] == 3 * pool[2]
+
+        expected = generate(llm, prompts, params)
+        core = llm.core
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, params)
+        for _ in range(4):
+            assert not any(out.finished for out in core.step())
+        old = core.executor.worker_pids()
+        os.kill(old[3], signal.SIGKILL)  # stage 1, tensor-parallel rank 1
+        finals = {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0].token_ids
+        stats = llm.stats()
+        assert not set(core.executor.worker_pids()) & set(old)
+    assert [finals[str(i)] for i in range(len(prompts))] == expected
+    assert stats["num_worker_restarts"] == 1 and stats["num_blocks_in_use"] == 0
 
 
 def test_pp3_uneven_with_chunked_prefill_preemption_and_cache_hits(ray_cluster, five_layers):
@@ -164,32 +196,6 @@ def test_pp2_mixture_of_experts_matches_one_rank(ray_cluster, mixtral_dir):
         expected = generate(llm1, prompts)
     with LLM(model=mixtral_dir, pipeline_parallel_size=2) as llm:
         assert generate(llm, prompts) == expected
-
-
-def test_a_second_stage_rank_killed_mid_run_changes_no_token(ray_cluster, five_layers):
-    """The whole group is rebuilt (each stage is useless without the others) and the running requests
-    are recomputed: the tokens of a run without the failure."""
-    path, _ = five_layers
-    prompts = make_prompts(path)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    with LLM(model=path, pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=256) as llm:
-        expected = generate(llm, prompts, params)
-        core = llm.core
-        for i, prompt in enumerate(prompts):
-            core.add_request(str(i), prompt, params)
-        for _ in range(4):
-            assert not any(out.finished for out in core.step())
-        old = core.executor.worker_pids()
-        os.kill(old[3], signal.SIGKILL)  # stage 1, tensor-parallel rank 1
-        finals = {}
-        while core.has_unfinished_requests():
-            for out in core.step():
-                if out.finished:
-                    finals[out.request_id] = out.outputs[0].token_ids
-        stats = llm.stats()
-        assert not set(core.executor.worker_pids()) & set(old)
-    assert [finals[str(i)] for i in range(len(prompts))] == expected
-    assert stats["num_worker_restarts"] == 1 and stats["num_blocks_in_use"] == 0
 
 
 def test_bench_parallel_smoke_every_configuration_and_dispatch(ray_cluster, model_dirs):
@@ -231,22 +237,20 @@ def test_a_stages_ranks_take_bundles_of_one_node():
     assert stage_bundles(["x", "y", "x", "y", "y", "x"], tp=3, pp=2) == [0, 2, 5, 1, 3, 4]
 
 
-@pytest.mark.parametrize("dispatch", ["remote", "compiled"])
-def test_two_steps_in_flight_by_default_one_when_asked(ray_cluster, five_layers, dispatch):
-    """PP 2 keeps a step in each stage (the default, one per stage), by actor calls or through the
-    compiled graph's channels; batches_in_flight=1 sends one at a time. The tokens are the same, and
-    every block comes back."""
+def test_two_steps_in_flight_by_default_one_when_asked_through_the_compiled_graph(ray_cluster, five_layers):
+    """PP 2 through the compiled graph's channels keeps a step in each stage (the default, one per
+    stage); batches_in_flight=1 sends one at a time. The tokens are the same, exact against Hugging
+    Face, and every block comes back. (By actor calls: the PP 2 test above.)"""
     path, oracle = five_layers
     prompts = make_prompts(path)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     runs = {}
     for in_flight in (None, 1):
         with LLM(model=path, pipeline_parallel_size=2, batches_in_flight=in_flight, num_kv_blocks=256,
-                 tp_dispatch=dispatch) as llm:
+                 tp_dispatch="compiled") as llm:
             counts = count_in_flight(llm)
             runs[in_flight] = generate(llm, prompts, params)
             stats = llm.stats()
-        # (one at a time is the engine's plain step: nothing goes through submit)
         assert max(counts, default=1) == (in_flight or 2) and stats["num_blocks_in_use"] == 0
     assert runs[None] == runs[1]
     for prompt, out in zip(prompts, runs[None]):
