@@ -22,12 +22,12 @@ $(STAMP): pyproject.toml $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
 	$(BIN)/python -m kernels.cpu
 	touch $(STAMP)
 
-# pytest-xdist workers, each taking a whole module at a time (the longest first: tests/conftest.py; the run
-# ends with its 40 slowest tests, which that order comes from). The workers wait on Ray clusters, servers
-# and subprocesses: on 2 cores two kept 1.1 cores busy and ran the suite in 22.5 min, three kept 1.3 busy
-# and ran it in 19.4-22.9 min (fresh clones, 2026-12-06; the VM's speed varies by the hour); four
-# overloaded them (a Serve proxy took over 15 s to start and 42 tests of one worker failed)
-TEST_JOBS ?= 3
+# Two pytest runs at once (tests/run_pools.py): tests/cluster, tests/serve and tests/benchmarks, whose
+# processes wait on each other, at the usual priority, and the rest at nice 19, taking the CPU they
+# leave; each spreads whole modules over KVSERVE_CLUSTER_JOBS / KVSERVE_COMPUTE_JOBS pytest-xdist workers
+# (default 2 each; the longest modules first: tests/conftest.py). With one pool of three equal workers
+# a fresh clone took 20-23 min on 2 cores: beside busy workers each hand-off between a PP test's
+# processes waited for a core, and that module ran 6 to 14 times slower than alone.
 # tests/serve/test_metrics_prometheus.py runs a real Prometheus (the Debian package) against the app
 PROMETHEUS_PKG := $(shell command -v prometheus >/dev/null 2>&1 || echo missing)
 
@@ -36,7 +36,7 @@ ifeq ($(PROMETHEUS_PKG),missing)
 	-command -v apt-get >/dev/null && (apt-get install -y -q prometheus >/dev/null 2>&1 || \
 		(apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null))
 endif
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=40 tests
+	$(BIN)/python -m tests.run_pools
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests

@@ -37,11 +37,26 @@ def pytest_configure(config):
         # on this machine last recorded there (a test of the other worker may have one running)
         os.environ["RAY_TMPDIR"] = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), f"ray-{worker}")
         os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+    if os.environ.get("KVSERVE_TEST_POOL") == "compute":
+        _refuse_ray_in_the_compute_pool()
     if (config.getoption("markexpr") or "").replace(" ", "") == "gpu":
         return
     assert "triton.language" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", (
         "triton was imported before the test session could set TRITON_INTERPRET=1")
     os.environ["TRITON_INTERPRET"] = "1"
+
+def _refuse_ray_in_the_compute_pool() -> None:
+    """`make test` (tests/run_pools.py) runs every module outside tests/cluster, tests/serve and
+    tests/benchmarks at nice 19: a Ray cluster started there would wait on each hand-off behind the
+    other run's work. Such a module belongs in the cluster pool; starting Ray says so."""
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("this test starts Ray, but it runs in the compute pool of tests/run_pools.py (nice 19): "
+                           "move its module under tests/cluster, tests/serve or tests/benchmarks")
+
+    ray.init = refuse
+
 
 # The longest modules (seconds on the 2-core VM: the sum of their tests among the 40 slowest of a fresh
 # clone's `make test` with three workers, 2026-12-06 18:19, or among the 120 slowest of an earlier run
