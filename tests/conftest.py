@@ -65,7 +65,7 @@ def _refuse_ray_in_the_compute_pool() -> None:
 # starting first leave short ones for the end instead of one worker running a long module while the
 # others wait.
 LONG_MODULES = {
-    "tests/cluster/test_pipeline_parallel.py": 250, "tests/serve/test_chaos.py": 189,
+    "tests/cluster/test_pipeline_parallel.py": 250, "tests/serve/test_chaos.py": 130,
     "tests/serve/test_pipeline_serve.py": 151, "tests/serve/test_engine_recovery.py": 149,
     "tests/kernels/triton/test_triton_compile.py": 146, "tests/serve/test_serve_cli.py": 142,
     "tests/kernels/test_cpu_build.py": 137, "tests/cluster/test_triton_tp.py": 129,

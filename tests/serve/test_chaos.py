@@ -63,40 +63,36 @@ def test_soak_reports_every_process_errors_and_blocks(model_dirs, tmp_path):
     assert 0 < report["num_blocks_made_start"] <= report["num_blocks_made_end"] <= 255
 
 
-def test_chaos_a_rank_killed_at_tp2_loses_no_request(model_dirs, tmp_path):
-    """The ranks are rebuilt under the same scheduler: the requests in flight are recomputed, the
-    ones that arrive meanwhile wait, and none fails or hangs."""
-    out = tmp_path / "chaos.json"
-    kvserve("chaos", "--model", model_dirs["llama"], "--faults", "rank", "--tensor-parallel-size", "2",
-            "--concurrency", "2", "--max-tokens", "8", "--settle", "2", "--app-arg", "num_kv_blocks=256", "--out", str(out), timeout=400)
-    report = json.loads(out.read_text())
-    [fault] = report["faults"]
-    assert fault["fault"] == "rank" and fault["killed"].startswith("rank 1 (pid ")
-    assert fault["in_flight"] == 2  # both clients had a request open
-    assert fault["lost"] == 0 and fault["in_flight_outcomes"] == {"ok": 2}
-    assert fault["refused"] == 0 and fault["hung"] == 0 and fault["leaked"] == []
-    assert fault["recovery_s"] is not None and 0 < fault["recovery_s"] < 60
-    assert report["num_blocks_in_use_at_end"] == 0 and report["num_requests_running_at_end"] == 0
+def test_chaos_a_rank_then_the_scheduler_actor_killed_at_tp2(model_dirs, tmp_path):
+    """One app at TP 2, two faults in turn (one start of the cluster and app for both).
 
+    A rank killed: the ranks are rebuilt under the same scheduler, the requests in flight are
+    recomputed, the ones that arrive meanwhile wait, and none fails or hangs.
 
-def test_chaos_a_killed_scheduler_actor_fails_its_requests_in_sentences_without_internals(model_dirs, tmp_path):
-    """The requests in flight on a scheduler actor that is killed, and those refused while its replica
+    Then the scheduler actor killed: the requests in flight on it, and those refused while its replica
     rebuilds it, read the API's sentences: no ActorDiedError, actor id, pid or address."""
     out = tmp_path / "chaos.json"
-    kvserve("chaos", "--model", model_dirs["llama"], "--faults", "scheduler", "--tensor-parallel-size", "1",
+    kvserve("chaos", "--model", model_dirs["llama"], "--faults", "rank", "scheduler", "--tensor-parallel-size", "2",
             "--concurrency", "2", "--max-tokens", "256", "--settle", "2", "--app-arg", "num_kv_blocks=256",
-            "--out", str(out), timeout=300)
+            "--out", str(out), timeout=500)
     report = json.loads(out.read_text())
-    [fault] = report["faults"]
-    assert fault["fault"] == "scheduler" and fault["in_flight"] == 2
-    assert fault["lost"] == 2 and fault["hung"] == 0  # both failed, with an answer
-    assert sum(fault["error_messages"].values()) >= 2 and fault["leaked"] == []
+    rank, scheduler = report["faults"]
+
+    assert rank["fault"] == "rank" and rank["killed"].startswith("rank 1 (pid ")
+    assert rank["in_flight"] == 2  # both clients had a request open
+    assert rank["lost"] == 0 and rank["in_flight_outcomes"] == {"ok": 2}
+    assert rank["refused"] == 0 and rank["hung"] == 0 and rank["leaked"] == []
+    assert rank["recovery_s"] is not None and 0 < rank["recovery_s"] < 60
+
+    assert scheduler["fault"] == "scheduler" and scheduler["in_flight"] == 2
+    assert scheduler["lost"] == 2 and scheduler["hung"] == 0  # both failed, with an answer
+    assert sum(scheduler["error_messages"].values()) >= 2 and scheduler["leaked"] == []
     # a request streaming when the actor died reads the first; one the replica was admitting, the second
     stopped = {"the engine stopped while serving this request; retry shortly", "the engine stopped; retry shortly"}
-    assert stopped & set(fault["error_messages"]), fault["error_messages"]
+    assert stopped & set(scheduler["error_messages"]), scheduler["error_messages"]
     # one arriving while the replica rebuilds the actor (which the replica's own admission may see first)
-    assert set(fault["error_messages"]) <= stopped | {
+    assert set(scheduler["error_messages"]) <= stopped | {
         "no engine replica is serving yet (starting, restarting or waiting for resources); retry shortly",
         "the engine is restarting; retry shortly"}
-    assert fault["recovery_s"] is not None
+    assert scheduler["recovery_s"] is not None
     assert report["num_blocks_in_use_at_end"] == 0 and report["num_requests_running_at_end"] == 0
