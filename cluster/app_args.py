@@ -145,7 +145,7 @@ class AppArgs(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"] = "auto"
     # batch-invariant numerics: a greedy request's tokens and logprobs do not depend on its batch
     deterministic: bool = False
-    # the linear layers as bfloat16 x 3 products on AMX tiles where the CPU has AMX ("high"; weights
+    # the linear layers and MoE experts as bfloat16 x 3 products on AMX tiles where the CPU has AMX ("high"; weights
     # kept to ~16 bits of mantissa), or the float32 chain everywhere ("highest"); EngineConfig.cpu_matmul_precision
     cpu_matmul_precision: Literal["highest", "high"] = "highest"
     # False: decode steps replay CUDA graphs (CUDA, attention_backend triton); eager by default for now

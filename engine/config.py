@@ -223,7 +223,7 @@ class EngineConfig:
     # batch-invariant serving: a greedy request's tokens and logprobs are the same to the bit whatever
     # shares its batch, the chunk budget, a prefix-cache hit or a preemption (the compiled CPU kernels)
     deterministic: bool = False
-    # the compiled CPU kernels' float32 linear layers: "highest", one float32 multiply-add chain per
+    # the compiled CPU kernels' float32 linear layers and MoE experts: "highest", one float32 multiply-add chain per
     # element; "high", where the CPU has AMX-BF16, weights split into bfloat16 hi and lo halves (~16 bits
     # of each mantissa): steps of 64 rows and more as three bfloat16 products on AMX tiles with float32
     # sums (torch's float32 matmul precision "high"), fewer rows as float32 products against hi + lo;

@@ -60,7 +60,8 @@ def _refuse_ray_in_the_compute_pool() -> None:
 
 # The longest modules (seconds on the 2-core VM: the sum of their tests among the 40 slowest of a fresh
 # clone's `make test` with three workers, 2026-12-06 18:19, or among the 120 slowest of an earlier run
-# with two where that is larger), run first: ``make test`` spreads modules over its pytest-xdist workers
+# with two where that is larger; the PP and chaos modules after fewer engine starts, 2026-12-06 21:00),
+# run first: ``make test`` spreads modules over its pytest-xdist workers
 # (``--dist loadfile``, each worker taking the next module in order when it is free), so the long ones
 # starting first leave short ones for the end instead of one worker running a long module while the
 # others wait.

@@ -63,20 +63,21 @@ def test_soak_reports_every_process_errors_and_blocks(model_dirs, tmp_path):
     assert 0 < report["num_blocks_made_start"] <= report["num_blocks_made_end"] <= 255
 
 
-def test_chaos_a_rank_then_the_scheduler_actor_killed_at_tp2(model_dirs, tmp_path):
+def test_chaos_the_scheduler_actor_then_a_rank_killed_at_tp2(model_dirs, tmp_path):
     """One app at TP 2, two faults in turn (one start of the cluster and app for both).
 
-    A rank killed: the ranks are rebuilt under the same scheduler, the requests in flight are
-    recomputed, the ones that arrive meanwhile wait, and none fails or hangs.
+    The scheduler actor killed: the requests in flight on it, and those refused while its replica
+    rebuilds it, read the API's sentences: no ActorDiedError, actor id, pid or address.
 
-    Then the scheduler actor killed: the requests in flight on it, and those refused while its replica
-    rebuilds it, read the API's sentences: no ActorDiedError, actor id, pid or address."""
+    Then a rank of the rebuilt engine killed: the ranks are rebuilt under the same scheduler, the
+    requests in flight are recomputed, the ones that arrive meanwhile wait, and none fails or hangs;
+    the run ends with no block in use (the rank fault last, so that its recovery is what that checks)."""
     out = tmp_path / "chaos.json"
-    kvserve("chaos", "--model", model_dirs["llama"], "--faults", "rank", "scheduler", "--tensor-parallel-size", "2",
-            "--concurrency", "2", "--max-tokens", "256", "--settle", "2", "--app-arg", "num_kv_blocks=256",
+    kvserve("chaos", "--model", model_dirs["llama"], "--faults", "scheduler", "rank", "--tensor-parallel-size", "2",
+            "--concurrency", "2", "--max-tokens", "256", "--timeout", "120", "--settle", "2", "--app-arg", "num_kv_blocks=256",
             "--out", str(out), timeout=500)
     report = json.loads(out.read_text())
-    rank, scheduler = report["faults"]
+    scheduler, rank = report["faults"]
 
     assert rank["fault"] == "rank" and rank["killed"].startswith("rank 1 (pid ")
     assert rank["in_flight"] == 2  # both clients had a request open
