@@ -27,7 +27,9 @@ $(STAMP): pyproject.toml $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
 # leave; each spreads whole modules over KVSERVE_CLUSTER_JOBS / KVSERVE_COMPUTE_JOBS pytest-xdist workers
 # (default 2 each; the longest modules first: tests/conftest.py). With one pool of three equal workers
 # a fresh clone took 20-23 min on 2 cores: beside busy workers each hand-off between a PP test's
-# processes waited for a core, and that module ran 6 to 14 times slower than alone.
+# processes waited for a core, and that module ran 6 to 14 times slower than alone. Two runs with OpenMP
+# threads passive (they spun on the cores other threads needed): 17.6 and 19.3 min for the whole
+# `.ci/run`, the tests 16.1 and 17.5 (two fresh clones, 2026-12-06).
 # tests/serve/test_metrics_prometheus.py runs a real Prometheus (the Debian package) against the app
 PROMETHEUS_PKG := $(shell command -v prometheus >/dev/null 2>&1 || echo missing)
 
