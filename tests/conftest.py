@@ -45,6 +45,7 @@ def pytest_configure(config):
         "triton was imported before the test session could set TRITON_INTERPRET=1")
     os.environ["TRITON_INTERPRET"] = "1"
 
+
 def _refuse_ray_in_the_compute_pool() -> None:
     """`make test` (tests/run_pools.py) runs every module outside tests/cluster, tests/serve and
     tests/benchmarks at nice 19: a Ray cluster started there would wait on each hand-off behind the

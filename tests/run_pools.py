@@ -81,9 +81,9 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
             options.append(arg)
             continue
         resolved = Path(path).resolve()
-        inside = [p for p in CLUSTER_PATHS if resolved == ROOT / p or resolved in (ROOT / p).parents]
-        if inside and not sep and resolved not in [ROOT / p for p in CLUSTER_PATHS]:  # holds both pools' modules
-            cluster += [str(ROOT / p) for p in inside]
+        below = [p for p in CLUSTER_PATHS if resolved in (ROOT / p).parents]  # cluster directories inside it
+        if below:  # a directory holding both pools' modules
+            cluster += [str(ROOT / p) for p in below]
             compute += [str(ROOT / p) for p in compute_paths() if resolved in (ROOT / p).parents]
         else:
             (cluster if in_cluster_pool(resolved) else compute).append(str(resolved) + sep + node)
@@ -117,12 +117,10 @@ def main(argv: list[str]) -> int:
     cluster_jobs = int(os.environ.get("KVSERVE_CLUSTER_JOBS", "2"))
     compute_jobs = int(os.environ.get("KVSERVE_COMPUTE_JOBS", "2"))
     options, cluster_paths, compute_paths_given = split_args(argv)
-    if cluster_paths or compute_paths_given:  # paths named: each to its own pool, a pool named none not run
-        pools = [("cluster", cluster_paths, cluster_jobs, [], 30), ("compute", compute_paths_given, compute_jobs,
-                                                                       ["nice", "-n", "19"], 20)]
-    else:
-        pools = [("cluster", list(CLUSTER_PATHS), cluster_jobs, [], 30),
-                 ("compute", compute_paths(), compute_jobs, ["nice", "-n", "19"], 20)]
+    if not (cluster_paths or compute_paths_given):  # no path named: the whole suite (else a pool named none not run)
+        cluster_paths, compute_paths_given = list(CLUSTER_PATHS), compute_paths()
+    pools = [("cluster", cluster_paths, cluster_jobs, [], 30),
+             ("compute", compute_paths_given, compute_jobs, ["nice", "-n", "19"], 20)]
     pools = [pool for pool in pools if pool[1]]
     stop_at_first = any(o == "-x" or o.startswith(("--exitfirst", "--maxfail")) for o in options)
     lock = threading.Lock()
