@@ -24,7 +24,8 @@ from kernels.kv_quant import KV_CACHE_DTYPES
 
 PHASES = ("schedule", "prepare inputs", "forward", "logits", "sample", "update", "outputs")
 OP_FAMILIES = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "kvserve_cpu::linear"),
+    # the compiled experts' op is counted whole (its routing and weighted scatter are a sliver of it)
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "kvserve_cpu::linear", "kvserve_cpu::moe_experts"),
     "attention": ("kvserve_cpu::paged_attention", "kvserve_cpu::store_kv", "aten::_scaled_dot_product",
                   "aten::scaled_dot_product", "aten::index_copy_", "aten::index_select", "aten::_softmax",
                   "aten::masked_fill"),
@@ -104,15 +105,20 @@ def _op_family(name: str) -> str:
 
 
 def _linear_flops(model, rows: int) -> float:
-    """FLOPs of a decode step's linear layers and LM head for ``rows`` sequences: 2 x rows x the
-    weights' elements (a packed weight has as many as the matrix)."""
+    """FLOPs of a decode step's linear layers, experts and LM head for ``rows`` sequences: 2 x rows x
+    the weights' elements each token meets (a packed weight has as many as the matrix; of a mixture of
+    experts, the top k experts' gate, up and down projections: 3 x intermediate x hidden each, whatever
+    their layout; at tensor parallel size 1, where every expert is local)."""
     from workers.layers.embedding import ParallelLMHead
     from workers.layers.linear import ReplicatedLinear, RowParallelLinear, _ColumnShards
+    from workers.layers.moe import FusedMoE
 
     total = 0
     for module in model.modules():
         if isinstance(module, (ReplicatedLinear, _ColumnShards, RowParallelLinear)):
             total += module.weight.numel()
+        elif isinstance(module, FusedMoE):
+            total += module.top_k * 3 * module.intermediate * module.hidden_size
         elif isinstance(module, ParallelLMHead):
             total += (module.weight if module.packed_weight is None else module.packed_weight).numel()
     return 2.0 * rows * total

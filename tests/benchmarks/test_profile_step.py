@@ -90,3 +90,24 @@ def test_a_shared_prefix_as_long_as_the_prompt_is_refused_before_anything_starts
                                          r"below --prompt-len \(288\), since each prompt adds at least one token of "
                                          r"its own to the shared prefix$"):
         main(["profile-step", "--model", model_dirs["llama"], "--prompt-len", "288"])
+
+
+def test_the_experts_products_count_as_matrix_products():
+    """Each token of a mixture-of-experts layer meets its top k experts' gate, up and down projections
+    (3 x intermediate x hidden each) beside the router: those FLOPs, and the compiled experts' op's
+    time, are the step's matrix products (left out, a MoE model's products read as the router's alone,
+    and the experts' time as 'other torch ops')."""
+    import torch
+    from torch import nn
+
+    from benchmarks.profile_step import _linear_flops, _op_family
+    from workers.layers.moe import FusedMoE
+    from workers.parallel_state import TPGroup
+
+    experts, top_k, hidden, inter, rows = 6, 2, 40, 56, 5
+    model = nn.Sequential(FusedMoE(experts, top_k, hidden, inter, True, "silu", TPGroup(), torch.float32,
+                                   torch.device("cpu")))
+    # the router (experts x hidden) and, per token, top_k experts of 2 x inter x hidden then hidden x inter
+    assert _linear_flops(model, rows) == 2 * rows * (experts * hidden + top_k * 3 * inter * hidden)
+    assert _op_family("kvserve_cpu::moe_experts") == "matmul"
+    assert _op_family("kvserve_cpu::linear") == "matmul"

@@ -78,6 +78,7 @@ class FusedMoE(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be between 1 and the {num_experts} experts, not {top_k}")
         self.tp, self.top_k, self.renormalize, self.num_experts = tp, top_k, renormalize, num_experts
+        self.hidden_size = hidden_size
         self.expert_start, self.num_local_experts = expert_partition(num_experts, tp, expert_parallel)
         if expert_parallel:
             self.inter_start, self.intermediate = 0, intermediate_size
