@@ -4,7 +4,11 @@
 //   h = linear(paged_attention(q, k, v), Wo, bo)      (stores the step's K/V first)
 //   residual += h; h = rms_norm(residual)
 //   h = linear(silu_and_mul(linear(h, Wgu, bgu)), Wd, bd)
-// and the final residual add + norm. The same ops in the same order as the Python layers run them
+// and the final residual add + norm. A mixture-of-experts layer (moe: top_k > 0 for it; Mixtral, Qwen3-MoE)
+// runs its MLP as the Python FusedMoE does:
+//   weights, ids = top_k(softmax(linear(h, Wrouter) in float32)) [renormalised over the chosen];
+//   h = moe_experts(h, W13, W2, weights, ids, 0, intermediate)
+// The same ops in the same order as the Python layers run them
 // (workers/models/llama.py with the compiled ops bound), so the result is the same to the bit; what
 // goes is the Python and dispatcher work between them: about 100 us per layer per step. Each op
 // keeps its profiler scope under its own name, so a profile splits the stack as it splits the layers.
@@ -16,6 +20,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
 #include <ATen/record_function.h>
 
 #include "ops.h"
@@ -26,6 +32,8 @@ namespace kvserve {
 namespace {
 
 constexpr int64_t kPerLayer = 10;  // in_norm, Wqkv, bqkv, Wo, bo, post_norm, Wgu, bgu, Wd, bd
+// (a mixture-of-experts layer: in_norm, Wqkv, bqkv, Wo, bo, post_norm, Wrouter, -, W13, W2)
+constexpr int64_t kMoePerLayer = 3;  // top_k (0: a dense MLP), renormalize, intermediate
 
 // A profiler scope named as the registered op (free when no profiler runs).
 #define KVSERVE_SCOPE(op) RECORD_FUNCTION("kvserve_cpu::" op, std::vector<c10::IValue>())
@@ -46,13 +54,15 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
                          const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                          const at::Tensor& group_member_start, const at::Tensor& group_members, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool fixed_order,
-                         at::TensorList qk_norms, int64_t kv_format) {
+                         at::TensorList qk_norms, int64_t kv_format, at::IntArrayRef moe) {
   const int64_t layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
               "decoder_stack takes ", kPerLayer, " weight tensors per layer");
   TORCH_CHECK(static_cast<int64_t>(v_pools.size()) == layers, "one K and one V pool per layer");
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
               "qk_norms: none, or a q and a k norm weight per layer");
+  TORCH_CHECK(moe.empty() || static_cast<int64_t>(moe.size()) == layers * kMoePerLayer,
+              "moe: none, or (top_k, renormalize, intermediate) per layer");
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(), "hidden must be a contiguous [tokens, hidden] tensor");
   const int64_t t = hidden_in.size(0);
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
@@ -94,6 +104,15 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
     {
       KVSERVE_SCOPE("fused_add_rms_norm");
       kvserve::fused_add_rms_norm(h, residual, w[5], eps);
+    }
+    const int64_t top_k = moe.empty() ? 0 : moe[i * kMoePerLayer];
+    if (top_k > 0) {  // kernels/torch_moe.py's select_experts, then the experts (workers/layers/moe.py)
+      const at::Tensor probs = at::softmax(stack_linear(h, w[6], w[7], fixed_order).to(at::kFloat), -1);
+      auto [topk_weights, topk_ids] = at::topk(probs, top_k, -1);
+      if (moe[i * kMoePerLayer + 1]) topk_weights = topk_weights.div(topk_weights.sum(-1, true));
+      KVSERVE_SCOPE("moe_experts");
+      h = kvserve::moe_experts(h, w[8], w[9], topk_weights, topk_ids, 0, moe[i * kMoePerLayer + 2]);
+      continue;
     }
     at::Tensor act = stack_linear(h, w[6], w[7], fixed_order);
     {

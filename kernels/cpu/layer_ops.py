@@ -1,8 +1,8 @@
 """Python faces of the compiled layer ops (``elementwise.cpp``, ``linear.cpp``), shaped like the torch
 versions in ``kernels.norms``, ``kernels.rotary``, ``act_and_mul`` and ``F.linear``: a layer that was
 handed a ``CpuLayerOps`` calls these instead. Each is one dispatcher call (the op overloads are
-looked up once). ``DecoderStack`` runs a whole Llama-style layer stack in one call
-(``decoder_stack.cpp``)."""
+looked up once). ``DecoderStack`` runs a whole Llama-style layer stack, dense or mixture-of-experts
+MLPs, in one call (``decoder_stack.cpp``)."""
 
 from __future__ import annotations
 
@@ -61,14 +61,20 @@ class DecoderStack:
     gate_up_weight, gate_up_bias, down_weight, down_bias)``, a bias ``None`` where there is none.
     ``qk_norms``: per layer ``(q_norm, k_norm)`` weights of size head_dim (Qwen3: each query and key
     head RMS-normalised before rotary, with ``eps``), or None.
+    ``moe``: per layer ``(top_k, renormalize, intermediate)``, top_k 0 for a dense MLP, or None (all
+    dense). A mixture-of-experts layer's last four weights are ``(router_weight, None, w13, w2)``: the
+    router's linear weight and the experts' as ``moe_experts`` takes them (one rank holding every
+    expert), run as ``workers.layers.moe.FusedMoE`` runs them.
     """
 
     def __init__(self, layer_ops: CpuLayerOps, layers: list[tuple], final_norm: torch.Tensor,
                  cos_sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 scale: float, qk_norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 scale: float, qk_norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 moe: list[tuple[int, bool, int]] | None = None) -> None:
         none = torch.zeros(0)
         self.weights = [none if w is None else w for layer in layers for w in layer]
         self.qk_norms = [w for pair in qk_norms or () for w in pair]
+        self.moe = [int(v) for layer in moe or () for v in layer]
         self.op = layer_ops.decoder_stack
         self.attention_args = layer_ops.attention_args
         self.final_norm, self.cos_sin_cache = final_norm, cos_sin_cache
@@ -80,4 +86,4 @@ class DecoderStack:
         ``meta.kv_format`` names the pools' format (a quantized pool is written and read as its codes)."""
         return self.op(hidden, positions, self.weights, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
                        self.cos_sin_cache, self.final_norm, *self.attention_args(meta), *self.shape,
-                       meta.deterministic, self.qk_norms, FORMAT_IDS[meta.kv_format])
+                       meta.deterministic, self.qk_norms, FORMAT_IDS[meta.kv_format], self.moe)

@@ -62,6 +62,6 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, const at::Tensor& position
                          const at::Tensor& group_block_tables, const at::Tensor& group_lens,
                          const at::Tensor& group_member_start, const at::Tensor& group_members, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool fixed_order,
-                         at::TensorList qk_norms, int64_t kv_format = 0);
+                         at::TensorList qk_norms, int64_t kv_format = 0, at::IntArrayRef moe = {});
 
 }  // namespace kvserve

@@ -18,7 +18,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
       "Tensor(c!)[] v_pools, Tensor cos_sin_cache, Tensor final_norm, Tensor slot_mapping, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor kv_starts, Tensor group_block_tables, Tensor group_lens, "
       "Tensor group_member_start, Tensor group_members, int num_heads, int num_kv_heads, int head_dim, float eps, "
-      "float scale, bool fixed_order, Tensor[] qk_norms, int kv_format=0) -> Tensor");
+      "float scale, bool fixed_order, Tensor[] qk_norms, int kv_format=0, int[] moe=[]) -> Tensor");
   m.def("parallel_threads() -> int", &parallel_threads);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

@@ -30,6 +30,7 @@ from workers.layers import (
     activation,
     rope_parameters,
 )
+from workers.layers.moe import FusedMoE
 from workers.parallel_state import PipelineStage, TPGroup
 from workers.weight_loader import WeightSlice, load_into
 
@@ -202,27 +203,39 @@ class LlamaModel(nn.Module):
 
     def bind_decoder_stack(self, layer_ops) -> bool:
         """Run the layers as one compiled call from now on (``workers.layers.kernels``), where the
-        stack is what ``decoder_stack.cpp`` computes: one rank, SiLU-gated MLPs and the compiled
-        norms and rotary already bound. Answers whether it did."""
+        stack is what ``decoder_stack.cpp`` computes: one rank, SiLU-gated MLPs or mixtures of
+        experts whose compiled experts op is bound (every expert on this rank), and the compiled norms
+        and rotary already bound. Answers whether it did."""
         if self.stage.size > 1:  # the stack runs every layer, the embedding and the final norm
             return False
         first = self.layers[0]
-        if first.self_attn.o_proj.tp.size != 1 or first.mlp.act is not F.silu or first.mlp.ops is None:
+        if first.self_attn.o_proj.tp.size != 1:
             return False
         if first.self_attn.rotary_emb.ops is None or self.norm.ops is None:
             return False
         qk_norms = None  # per-head q/k RMSNorms before rotary (Qwen3), with the layers' eps
         if hasattr(first.self_attn, "q_norm"):
             qk_norms = [(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight) for layer in self.layers]
-        layers = []
+        layers, moe = [], []
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
+            mlp = getattr(layer, getattr(layer, "mlp_name", "mlp"))  # Mixtral's block_sparse_moe
+            if isinstance(mlp, FusedMoE):  # the compiled experts, SiLU-gated (pack_for_cpu bound them)
+                if mlp.cpu_experts is None or mlp.num_local_experts != mlp.num_experts:
+                    return False
+                mlp_weights = (mlp.gate.weight, mlp.gate.bias, mlp.w13_weight, mlp.w2_weight)
+                moe.append((mlp.top_k, mlp.renormalize, mlp.intermediate))
+            elif getattr(mlp, "act", None) is F.silu and mlp.ops is not None:
+                mlp_weights = (mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+                moe.append((0, False, 0))
+            else:
+                return False
             layers.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                           attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-                           mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias))
+                           attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight, *mlp_weights))
         a = first.self_attn.attn
         self.stack = DecoderStack(layer_ops, layers, self.norm.weight, first.self_attn.rotary_emb.cos_sin_cache,
-                                  a.num_heads, a.num_kv_heads, a.head_dim, self.norm.eps, a.scale, qk_norms)
+                                  a.num_heads, a.num_kv_heads, a.head_dim, self.norm.eps, a.scale, qk_norms,
+                                  moe if any(top_k for top_k, _, _ in moe) else None)
         return True
 
     def forward(

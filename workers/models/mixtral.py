@@ -4,7 +4,8 @@ top 2, the chosen two's softmax weights renormalised to sum to one).
 Per layer and rank: the Llama attention (``LlamaAttention``), then ``block_sparse_moe`` (router +
 experts, ``workers.layers.moe.FusedMoE``): under tensor parallelism every expert's intermediate
 features are split across ranks; with ``expert_parallel`` whole experts are (the same all-reduce
-combines either). The compiled decoder stack does not apply (it runs dense MLPs).
+combines either). At tensor-parallel size 1 with the compiled kernels the layers run as one compiled call
+(``LlamaModel.bind_decoder_stack``: the router and the compiled experts op inside the stack).
 """
 
 from __future__ import annotations
@@ -73,9 +74,6 @@ class MoeModel(LlamaModel):
         nn.Module.__init__(self)
         self._build_ends(args, tp, dtype, device, stage)
         self.layers = nn.ModuleList(layers)
-
-    def bind_decoder_stack(self, layer_ops) -> bool:
-        return False  # the compiled stack runs dense MLPs only
 
 
 class MixtralForCausalLM(nn.Module):
