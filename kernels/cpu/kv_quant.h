@@ -124,6 +124,35 @@ inline vf kv_int8(const uint8_t* p) {
 #endif
 #endif
 
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#define KVSERVE_KV_VECTORS 1
+// A row's W-code groups as float32 vectors, dequantize_row's values (below): KvRowReader(row, d, fmt),
+// then at(c) for the codes [c * W, c * W + W). The attention's decode path converts each key row into
+// registers with it, where the scores use it, rather than through a scratch row.
+struct KvRowReader {
+  const uint8_t* row;
+  int fmt;
+  bool unfolded;  // e4m3fn with a scale 256 s would overflow: (h * 256) * s, else h * (256 s)
+  vf scale;
+  KvRowReader(const uint8_t* r, int d, int f) : row(r), fmt(f), unfolded(false) {
+    float s = kv_row_scale(r, d);
+    if (f == 1) {
+      const float s256 = s * 256.0f;
+      unfolded = !std::isfinite(s256) && std::isfinite(s);
+      if (!unfolded) s = s256;
+    }
+    scale = vsplat(s);
+  }
+  vf at(int c) const {
+    const uint8_t* p = row + c * W;
+    if (fmt == 1) return (unfolded ? kv_halves_e4m3(p) * 256.0f : kv_halves_e4m3(p)) * scale;
+    if (fmt == 2) return kv_halves_e5m2(p) * scale;
+    return kv_int8(p) * scale;
+  }
+};
+#endif
+
 // The row's d values in float32 at out (fmt: the pool's format 1 .. 3; table: kv_code_table(fmt), for
 // the scalar path). Bit for bit table[code] * scale, W codes at a time on x86 (AVX-512, or AVX2 with
 // F16C as in x86-64-v3), the last d % W (and every code elsewhere) through the table:
@@ -139,27 +168,13 @@ inline vf kv_int8(const uint8_t* p) {
 //   +-480 * scale from the vector lanes (the table's NaN in the scalar tail).
 // - int8: sign-extended to int32 and converted, exactly.
 // No add anywhere, so no FMA contraction can change a product.
-inline void dequantize_row(const uint8_t* row, int d, int fmt, const float* table, float* out) {
+__attribute__((always_inline)) inline void dequantize_row(const uint8_t* row, int d, int fmt, const float* table,
+                                                      float* out) {
   const float s = kv_row_scale(row, d);
   int k = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
-  if (fmt == 1) {
-    const float s256 = s * 256.0f;
-    const bool fold = std::isfinite(s256) || !std::isfinite(s);
-    if (fold) {
-      const vf sv = vsplat(s256);
-      for (; k + W <= d; k += W) vstore(out + k, kv_halves_e4m3(row + k) * sv);
-    } else {
-      const vf sv = vsplat(s);
-      for (; k + W <= d; k += W) vstore(out + k, (kv_halves_e4m3(row + k) * 256.0f) * sv);
-    }
-  } else if (fmt == 2) {
-    const vf sv = vsplat(s);
-    for (; k + W <= d; k += W) vstore(out + k, kv_halves_e5m2(row + k) * sv);
-  } else {
-    const vf sv = vsplat(s);
-    for (; k + W <= d; k += W) vstore(out + k, kv_int8(row + k) * sv);
-  }
+#ifdef KVSERVE_KV_VECTORS
+  const KvRowReader reader(row, d, fmt);
+  for (; k + W <= d; k += W) vstore(out + k, reader.at(k / W));
 #else
   (void)fmt;
 #endif

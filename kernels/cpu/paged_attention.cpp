@@ -49,7 +49,10 @@
 // kv_quant.quantize). Every key and value the attention reads, the step's own tokens included (read
 // back from the pool after the store, as always), is dequantized to float32 (code * scale) where the
 // half types convert theirs today: the vector kernel dequantizes each 32-key tile of the KV head into
-// its per-thread scratch (Scratch::kv), the scalar kernel one key row at a time, the BLAS group pass
+// its per-thread scratch (Scratch::kv), except that on the few-rows path (decodes) each key row is
+// converted into registers where the scores use it, once for up to kFusedRows query rows
+// (kv_quant.h's KvRowReader; the same values and products in the same order, so the same bits, as
+// through the scratch, and no scratch row written and read back), the scalar kernel one key row at a time, the BLAS group pass
 // each chunk of keys as it gathers it; the float math after that is the one of format 0, on the same
 // paths (decode and prefill rows, fixed order, window, soft-cap, groups and the suffix merge). So the
 // output is that of format 0 over the dequantized pool in float32, to the bit for a float32 query.
@@ -86,6 +89,7 @@ namespace kvserve {
 namespace {
 
 constexpr int kKeyTile = 32;  // keys per online-softmax update
+constexpr int kFusedRows = 8;  // query rows per pass over a tile's quantized key rows (decode: a KV head's group)
 constexpr int kMaxRows = 64;  // query rows (tokens x heads of one KV head) per work item
 // The vector kernel keeps a row's accumulator in registers or on the stack, head_dim / W vectors of
 // it: head sizes above kMaxVectors * W (512 with AVX2's 8 lanes) take the scalar kernel instead.
@@ -536,12 +540,21 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
 
   const float* kf[kKeyTile];
   const float* vf_[kKeyTile];
+  // decode-sized items of a quantized pool: each key row converted into registers where the scores
+  // use it (no scratch row), for up to kFusedRows query rows at a time; null: a key below every row's
+  // window (zeros)
+  const uint8_t* kc[kKeyTile];
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.row_width;
   const bool quantized = p.kv_format != 0;
   const int64_t row_bytes = quantized ? d + kKvScaleBytes : static_cast<int64_t>(d) * sizeof(scalar_t);
   const char* k_base = quantized ? reinterpret_cast<const char*>(p.k_codes) : reinterpret_cast<const char*>(p.k_pool);
   const char* v_base = quantized ? reinterpret_cast<const char*>(p.v_codes) : reinterpret_cast<const char*>(p.v_pool);
   const int64_t elem_bytes = quantized ? 1 : sizeof(scalar_t);
+#ifdef KVSERVE_KV_VECTORS
+  const bool fused_keys = quantized && !by_rows;
+#else
+  constexpr bool fused_keys = false;
+#endif
   int64_t slots_a[kKeyTile], slots_b[kKeyTile];
   int64_t* slots = slots_a;  // this tile's
   int64_t* next_slots = slots_b;  // the next tile's, found while this one is computed
@@ -553,33 +566,28 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     const int next_n = std::min(kKeyTile, kv_end - start - kKeyTile);
     tile_slots(p, table, start + kKeyTile, next_n, head_offset, next_slots);
     // (The row-vectorised path spreads its prefetches over the tile's scores: TilePrefetch.)
+    // Both paths spread them over the tile's scores (the few-rows path a key's K and V rows after each
+    // key's products), so that they do not hold the L1's fill buffers all at once.
     TilePrefetch pf;
-    if (by_rows) {
-      pf.bytes = static_cast<int>(row_bytes);
-      for (int j = 0; j < next_n; ++j) {
-        pf.rows[pf.count++] = k_base + next_slots[j] * elem_bytes;
-        pf.rows[pf.count++] = v_base + next_slots[j] * elem_bytes;
-      }
-    } else {
-      for (int j = 0; j < next_n; ++j) {
-        const char* kr = k_base + next_slots[j] * elem_bytes;
-        const char* vr = v_base + next_slots[j] * elem_bytes;
-        for (int64_t line = 0; line < row_bytes; line += 64) {
-          __builtin_prefetch(kr + line);
-          __builtin_prefetch(vr + line);
-        }
-      }
+    pf.bytes = static_cast<int>(row_bytes);
+    for (int j = 0; j < next_n; ++j) {
+      pf.rows[pf.count++] = k_base + next_slots[j] * elem_bytes;
+      pf.rows[pf.count++] = v_base + next_slots[j] * elem_bytes;
     }
     for (int j = 0; j < n; ++j) {
       const int64_t slot = slots[j];
       if (start + j < kv_read) {
         kf[j] = vf_[j] = sc.zeros.data();
+        kc[j] = nullptr;
         continue;
       }
       if (quantized) {  // the tile's rows of this KV head, dequantized into the scratch
         float* kd = sc.kv.data() + j * d;
         float* vd = sc.kv.data() + (kKeyTile + j) * d;
-        dequantize_row(p.k_codes + slot, d, p.kv_format, p.code_table, kd);
+        if (fused_keys)
+          kc[j] = p.k_codes + slot;
+        else
+          dequantize_row(p.k_codes + slot, d, p.kv_format, p.code_table, kd);
         dequantize_row(p.v_codes + slot, d, p.kv_format, p.code_table, vd);
         kf[j] = kd;
         vf_[j] = vd;
@@ -635,6 +643,37 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     } else {
       // s[r * kKeyTile + j] = q_r . k_j: products vectorised over head_dim, then 16 keys' partial
       // sums reduced together into one vector of scores
+#ifdef KVSERVE_KV_VECTORS
+      if (fused_keys) {  // the same products in the same order, key rows converted once per kFusedRows rows
+        for (int j0 = 0; j0 < n; j0 += W) {
+          const int nj = std::min(W, n - j0);
+          for (int r0 = 0; r0 < rows; r0 += kFusedRows) {
+            const int nr = std::min(kFusedRows, rows - r0);
+            vf part[kFusedRows][W];
+            for (int j = 0; j < nj; ++j) {
+              vf kv[DV > 0 ? DV : kMaxVectors];
+              if (kc[j0 + j] == nullptr) {
+                for (int c = 0; c < nv; ++c) kv[c] = vf{};
+              } else {
+                const KvRowReader reader(kc[j0 + j], d, p.kv_format);
+                for (int c = 0; c < nv; ++c) kv[c] = reader.at(c);
+              }
+              for (int r = 0; r < nr; ++r) {
+                const float* qr = q + (r0 + r) * d;
+                vf t = vload(qr) * kv[0];
+                for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * kv[c];
+                part[r][j] = t;
+              }
+              if (r0 == 0) pf.issue(2 * (j0 + j + 1));
+            }
+            for (int r = 0; r < nr; ++r) {
+              for (int j = nj; j < W; ++j) part[r][j] = vf{};
+              vstore(s + (r0 + r) * kKeyTile + j0, transpose_sum(part[r]));
+            }
+          }
+        }
+      } else
+#endif
       for (int j0 = 0; j0 < n; j0 += W) {
         const int nj = std::min(W, n - j0);
         for (int r = 0; r < rows; ++r) {
@@ -645,6 +684,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
             vf t = vload(qr) * vload(kj);
             for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * vload(kj + c * W);
             part[j] = t;
+            if (r == 0) pf.issue(2 * (j0 + j + 1));
           }
           for (int j = nj; j < W; ++j) part[j] = vf{};
           vstore(s + r * kKeyTile + j0, transpose_sum(part));
@@ -671,6 +711,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
         l[r] = l[r] * alpha[r] + hsum(sum);
         m[r] = mx;
       }
+      pf.issue(pf.count);
       accumulate_values<DV, RB>(acc, rows, nv, alpha, s, kKeyTile, 1, vf_, n);
     }
   }
