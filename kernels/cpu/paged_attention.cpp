@@ -15,7 +15,8 @@
 // Work is split into items (sequence or group) x KV head x tile of query tokens; all query heads of
 // one KV head form the rows of a tile, so K/V are never repeated for grouped-query attention. Items
 // are handed out dynamically to torch's intra-op threads, biggest first, one sequence and KV head's
-// items after another (order_items).
+// items after another (order_items), the same queries' items of a sequence's next KV heads in one run
+// (run_pass).
 //
 // Rows of an item: decode-sized items (fewer than W/2 rows) take the few-rows path, vectorised over
 // head_dim; prefill chunks the row-vectorised path, W query rows per vector, whose two products per
@@ -841,12 +842,32 @@ void run_pass(const Problem<scalar_t>& p, std::vector<Item>& items, const std::v
   const int64_t n = static_cast<int64_t>(items.size());
   if (n == 0) return;
   order_items(items);
+  // Handed out in runs: the same queries against the next KV heads of the same block table (a decode's
+  // KV heads; a short prompt's) go to one thread, up to a run of n / (4 x threads) items, so that each
+  // thread still gets four runs or more. A block's rows interleave its KV heads (130-byte rows of an
+  // int8 pool, two heads to four cache lines): the first head's reads bring most of the next one's
+  // lines into this core's L2, where another thread's would fetch them again (64 decodes x 2 KV
+  // heads at 2k keys, 2 threads, builds alternating four rounds: int8 9.0 -> 8.4 ms a layer on
+  // average, float32 16.6 -> 15.8, neither slower in any round). Each item's arithmetic is its own,
+  // whichever thread runs it: the bits do not change.
+  const int64_t threads = at::get_num_threads();
+  const int64_t most = std::max<int64_t>(1, n / (4 * threads));
+  std::vector<int64_t> runs{0};
+  for (int64_t i = 1; i < n; ++i) {
+    const Item &a = items[i - 1], &b = items[i];
+    const bool same = a.table == b.table && a.token_begin == b.token_begin && a.num_tokens == b.num_tokens &&
+                      a.kv_begin == b.kv_begin && a.merge == b.merge;
+    if (!same || i - runs.back() >= most) runs.push_back(i);
+  }
+  runs.push_back(n);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t workers = std::min<int64_t>(threads, num_runs);
   const bool vector_path = p.head_dim % W == 0 && p.head_dim / W <= kMaxVectors;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     thread_local Scratch scratch;
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+    for (int64_t r = next.fetch_add(1); r < num_runs; r = next.fetch_add(1))
+    for (int64_t i = runs[r]; i < runs[r + 1]; ++i) {
       const Item& it = items[i];
       const int32_t* toks = tokens.data() + it.token_begin;
       const int32_t* lims = limits.data() + it.token_begin;
