@@ -6,7 +6,9 @@ The layer is random (hidden x intermediate, ``--experts`` experts, top ``--top-k
 at random, so the experts get about equal rows). For each batch of ``--tokens`` tokens the two layouts
 take turns ``--rounds`` times, each round the best of ``--repeats`` calls on the wall clock; every round
 is reported (this kind of host's speed drifts by minutes: a single pair of figures is not a
-comparison), with the best of each and their ratio. Before timing, the split layout's output is set
+comparison), with the best of each and their ratio. The split layout is the one
+``FusedMoE.pack_for_cpu`` gives under "high": each of w13 and w2 split where 32 divides its input
+features (hidden, intermediate), the other in float32 panels. Before timing, its output is set
 against the float32 one's: their largest difference over the output's scale must stay within the
 bf16x3 bound of two chained products (``MAX_SPLIT_ERROR``), or the run stops. Where the CPU or the
 build grants no AMX tiles only float32 is timed, and the report says why.
@@ -71,19 +73,22 @@ def measure(hidden: int = 1024, intermediate: int = 2816, experts: int = 8, top_
     ops = _ops()
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    w13, w2 = layer(hidden, intermediate, experts, seed)
-    layouts = {"float32": (ops.moe_pack_weight(w13), ops.moe_pack_weight(w2))}
-    split_why = ""
-    if not ops.amx_usable():
-        split_why = "the bf16x3 product needs AMX tiles, which this CPU, OS or build does not grant"
-    elif hidden % 32 or intermediate % 32:
-        split_why = f"the split needs a multiple of 32 input features (hidden {hidden}, intermediate {intermediate})"
-    else:
-        layouts["bf16x3"] = (ops.moe_split_weight(w13), ops.moe_split_weight(w2))
-    result: dict = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k,
-                    "threads": threads, "rounds": rounds, "repeats": repeats, "split_unavailable": split_why,
-                    "batches": []}
     try:
+        w13, w2 = layer(hidden, intermediate, experts, seed)
+        layouts = {"float32": (ops.moe_pack_weight(w13), ops.moe_pack_weight(w2))}
+        split_why = ""
+        if not ops.amx_usable():
+            split_why = "the bf16x3 product needs AMX tiles, which this CPU, OS or build does not grant"
+        elif hidden % 32 and intermediate % 32:
+            split_why = (f"the split needs a multiple of 32 input features, which neither hidden ({hidden}) nor "
+                         f"intermediate ({intermediate}) is")
+        else:  # as FusedMoE.pack_for_cpu lays them out: each weight split where 32 divides its inputs
+            layouts["bf16x3"] = tuple(ops.moe_split_weight(w) if w.shape[2] % 32 == 0 else ops.moe_pack_weight(w)
+                                      for w in (w13, w2))
+        result: dict = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k,
+                        "threads": threads, "rounds": rounds, "repeats": repeats, "split_unavailable": split_why,
+                        "split": [w.shape[2] % 32 == 0 for w in (w13, w2)] if "bf16x3" in layouts else [],
+                        "batches": []}
         for n in tokens:
             x, weights, ids = batch(n, hidden, experts, top_k, seed)
             run = {name: (lambda a=a, b=b: ops.moe_experts(x, a, b, weights, ids, 0, intermediate))
@@ -113,6 +118,9 @@ def format_table(result: dict) -> str:
              f"each the best of {result['repeats']} calls (ms)"]
     if result["split_unavailable"]:
         lines.append(f"bf16x3 not timed: {result['split_unavailable']}")
+    elif result["split"] and not all(result["split"]):
+        kept = [name for name, split in zip(("w13 (gate|up)", "w2 (down)"), result["split"]) if not split]
+        lines.append(f"bf16x3: {kept[0]} stays in float32 panels (32 does not divide its input features)")
     head = " | ".join(f"{n} best | {n} range" for n in names)
     lines += ["", f"| tokens | rows per expert | {head} |" + (" float32 / bf16x3 |" if "bf16x3" in names else ""),
               "|---:|---|" + "---:|" * (2 * len(names)) + ("---:|" if "bf16x3" in names else "")]
@@ -151,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.top_k <= args.experts:
         parser.error(f"--top-k must be between 1 and the {args.experts} experts, not {args.top_k}")
+    for name in ("rounds", "repeats", "threads", "hidden", "intermediate", "experts"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, not {getattr(args, name)}")
+    if not args.tokens or min(args.tokens) < 1:
+        parser.error("--tokens must list batch sizes of at least 1 token")
     result = measure(args.hidden, args.intermediate, args.experts, args.top_k, args.tokens, args.rounds,
                      args.repeats, args.threads)
     print(format_table(result))

@@ -26,12 +26,16 @@ PHASES = ("schedule", "prepare inputs", "forward", "logits", "sample", "update",
 OP_FAMILIES = {
     # the compiled experts' op is counted whole (its routing and weighted scatter are a sliver of it)
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "kvserve_cpu::linear", "kvserve_cpu::moe_experts"),
-    "attention": ("kvserve_cpu::paged_attention", "kvserve_cpu::store_kv", "aten::_scaled_dot_product",
-                  "aten::scaled_dot_product", "aten::index_copy_", "aten::index_select", "aten::_softmax",
-                  "aten::masked_fill"),
+    "attention": ("kvserve_cpu::paged_attention", "kvserve_cpu::store_kv"),
     "fused layer ops": ("kvserve_cpu::rms_norm", "kvserve_cpu::fused_add_rms_norm", "kvserve_cpu::silu_and_mul",
                         "kvserve_cpu::rotary_embedding"),
 }
+
+
+# the plain-torch attention's ops: attention under the torch backend only (on the compiled one a softmax
+# is a mixture of experts' router, an index_select the embedding's lookup)
+TORCH_ATTENTION = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::index_copy_", "aten::index_select",
+                   "aten::_softmax", "aten::masked_fill")
 
 
 def add_profile_step_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,9 +99,11 @@ def _instrumented(core):
                 setattr(obj, name, own)
 
 
-def _op_family(name: str) -> str:
+def _op_family(name: str, backend: str) -> str:
     if name == "kvserve_cpu::decoder_stack":  # its own time: the C++ between the ops it runs
         return "python and dispatch"
+    if backend == "torch" and name.startswith(TORCH_ATTENTION):
+        return "attention"
     for family, prefixes in OP_FAMILIES.items():
         if name.startswith(prefixes):
             return family
@@ -199,7 +205,7 @@ def profile_step(model: str, *, num_seqs: int = 64, prompt_len: int = 544, share
         cascade_steps = runner.batch.num_cascade_steps
     families: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        families[_op_family(event.key)] += event.self_cpu_time_total / 1e6
+        families[_op_family(event.key, backend)] += event.self_cpu_time_total / 1e6
     op_total = sum(families.values())
     ms = lambda s: 1000 * s / steps  # noqa: E731
     phases = {phase: ms(plain.get(phase, 0.0)) for phase in PHASES}

@@ -54,8 +54,9 @@ class CpuLayerOps:
 
 class DecoderStack:
     """A Llama-style decoder stack (RMSNorm, fused qkv [with per-head q/k RMSNorms] and neox rotary, paged
-    attention, SiLU-gated MLP) of one tensor-parallel rank of size 1 as one compiled call: the same ops in
-    the same order as the layers run them one by one, without the Python between them.
+    attention, SiLU-gated MLP or mixture of experts) of one tensor-parallel rank of size 1 as one compiled
+    call: the same ops in the same order as the layers run them one by one, without the Python between
+    them.
 
     ``layers``: per layer ``(input_norm, qkv_weight, qkv_bias, o_weight, o_bias, post_norm,
     gate_up_weight, gate_up_bias, down_weight, down_bias)``, a bias ``None`` where there is none.

@@ -50,8 +50,9 @@
 // kv_quant.quantize). Every key and value the attention reads, the step's own tokens included (read
 // back from the pool after the store, as always), is dequantized to float32 (code * scale) where the
 // half types convert theirs today: the vector kernel dequantizes each 32-key tile of the KV head into
-// its per-thread scratch (Scratch::kv), except that on the few-rows path (decodes) each key row is
-// converted into registers where the scores use it, once for up to kFusedRows query rows
+// its per-thread scratch (Scratch::kv), except that on the few-rows path (decodes, and fixed-order items
+// of at most kFusedRows rows) of an x86 build with AVX-512, or AVX2 and F16C (KVSERVE_KV_VECTORS), each
+// key row is converted into registers where the scores use it, once for the item's query rows
 // (kv_quant.h's KvRowReader; the same values and products in the same order, so the same bits, as
 // through the scratch, and no scratch row written and read back), the scalar kernel one key row at a time, the BLAS group pass
 // each chunk of keys as it gathers it; the float math after that is the one of format 0, on the same
@@ -90,7 +91,7 @@ namespace kvserve {
 namespace {
 
 constexpr int kKeyTile = 32;  // keys per online-softmax update
-constexpr int kFusedRows = 8;  // query rows per pass over a tile's quantized key rows (decode: a KV head's group)
+constexpr int kFusedRows = 8;  // the most query rows of an item whose quantized key rows are converted in registers
 constexpr int kMaxRows = 64;  // query rows (tokens x heads of one KV head) per work item
 // The vector kernel keeps a row's accumulator in registers or on the stack, head_dim / W vectors of
 // it: head sizes above kMaxVectors * W (512 with AVX2's 8 lanes) take the scalar kernel instead.
@@ -275,8 +276,9 @@ KVSERVE_INLINE void score_block(const float* __restrict__ qt, int rp, int c, con
 }
 
 // The next tile's key and value rows, asked for (into L2) a few rows before each block of keys of this
-// tile's scores instead of all at once: a burst of a tile's 512 prefetches of rows in L3 or DRAM holds
-// the L1's fill buffers for thousands of cycles and stalls the demand loads behind them.
+// tile's scores (the row-vectorised path), or after each key's products (decodes of a quantized pool),
+// instead of all at once: a burst of a tile's 512 prefetches of rows in L3 or DRAM holds the L1's fill
+// buffers for thousands of cycles and stalls the demand loads behind them.
 struct TilePrefetch {
   const char* rows[2 * kKeyTile];
   int count = 0, bytes = 0, done = 0;
@@ -552,7 +554,9 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
   const char* v_base = quantized ? reinterpret_cast<const char*>(p.v_codes) : reinterpret_cast<const char*>(p.v_pool);
   const int64_t elem_bytes = quantized ? 1 : sizeof(scalar_t);
 #ifdef KVSERVE_KV_VECTORS
-  const bool fused_keys = quantized && !by_rows;
+  // (an item of more rows, a fixed-order prefill chunk, would convert each key row once per kFusedRows
+  // rows: it reads the scratch row instead)
+  const bool fused_keys = quantized && !by_rows && rows <= kFusedRows;
 #else
   constexpr bool fused_keys = false;
 #endif
@@ -566,7 +570,6 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     // not follow a block table, so the next tile's rows are asked for while this one is computed.
     const int next_n = std::min(kKeyTile, kv_end - start - kKeyTile);
     tile_slots(p, table, start + kKeyTile, next_n, head_offset, next_slots);
-    // (The row-vectorised path spreads its prefetches over the tile's scores: TilePrefetch.)
     // The row-vectorised path and decodes of a quantized pool spread them over the tile's scores (the
     // latter a key's K and V rows after each key's products: a burst held the L1's fill buffers while
     // the tile's conversions waited, 14-16 against 11-12 ms a layer of int8 decodes at 64 x 2k keys);
@@ -658,32 +661,29 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
       // s[r * kKeyTile + j] = q_r . k_j: products vectorised over head_dim, then 16 keys' partial
       // sums reduced together into one vector of scores
 #ifdef KVSERVE_KV_VECTORS
-      if (fused_keys) {  // the same products in the same order, key rows converted once per kFusedRows rows
+      if (fused_keys) {  // the same products in the same order, each key row converted once (rows <= kFusedRows)
         for (int j0 = 0; j0 < n; j0 += W) {
           const int nj = std::min(W, n - j0);
-          for (int r0 = 0; r0 < rows; r0 += kFusedRows) {
-            const int nr = std::min(kFusedRows, rows - r0);
-            vf part[kFusedRows][W];
-            for (int j = 0; j < nj; ++j) {
-              vf kv[DV > 0 ? DV : kMaxVectors];
-              if (kc[j0 + j] == nullptr) {
-                for (int c = 0; c < nv; ++c) kv[c] = vf{};
-              } else {
-                const KvRowReader reader(kc[j0 + j], d, p.kv_format);
-                for (int c = 0; c < nv; ++c) kv[c] = reader.at(c);
-              }
-              for (int r = 0; r < nr; ++r) {
-                const float* qr = q + (r0 + r) * d;
-                vf t = vload(qr) * kv[0];
-                for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * kv[c];
-                part[r][j] = t;
-              }
-              if (r0 == 0) pf.issue(2 * (j0 + j + 1));
+          vf part[kFusedRows][W];
+          for (int j = 0; j < nj; ++j) {
+            vf kv[DV > 0 ? DV : kMaxVectors];
+            if (kc[j0 + j] == nullptr) {
+              for (int c = 0; c < nv; ++c) kv[c] = vf{};
+            } else {
+              const KvRowReader reader(kc[j0 + j], d, p.kv_format);
+              for (int c = 0; c < nv; ++c) kv[c] = reader.at(c);
             }
-            for (int r = 0; r < nr; ++r) {
-              for (int j = nj; j < W; ++j) part[r][j] = vf{};
-              vstore(s + (r0 + r) * kKeyTile + j0, transpose_sum(part[r]));
+            for (int r = 0; r < rows; ++r) {
+              const float* qr = q + r * d;
+              vf t = vload(qr) * kv[0];
+              for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * kv[c];
+              part[r][j] = t;
             }
+            pf.issue(2 * (j0 + j + 1));
+          }
+          for (int r = 0; r < rows; ++r) {
+            for (int j = nj; j < W; ++j) part[r][j] = vf{};
+            vstore(s + r * kKeyTile + j0, transpose_sum(part[r]));
           }
         }
       } else
@@ -883,7 +883,7 @@ void run_pass(const Problem<scalar_t>& p, std::vector<Item>& items, const std::v
   });
 }
 
-// Group-pass items through BLAS (group_attention.cpp): float32 only, handed out as run_pass does.
+// Group-pass items through BLAS (group_attention.cpp): float32 only, handed out one at a time, biggest first.
 template <typename scalar_t>
 void run_group_blas(const Problem<scalar_t>& p, std::vector<Item>& items, const std::vector<int32_t>& tokens,
                     const std::vector<int32_t>& limits, const int32_t* tables, int64_t table_stride) {

@@ -109,5 +109,10 @@ def test_the_experts_products_count_as_matrix_products():
                                    torch.device("cpu")))
     # the router (experts x hidden) and, per token, top_k experts of 2 x inter x hidden then hidden x inter
     assert _linear_flops(model, rows) == 2 * rows * (experts * hidden + top_k * 3 * inter * hidden)
-    assert _op_family("kvserve_cpu::moe_experts") == "matmul"
-    assert _op_family("kvserve_cpu::linear") == "matmul"
+    assert _op_family("kvserve_cpu::moe_experts", "cpu") == "matmul"
+    assert _op_family("kvserve_cpu::linear", "cpu") == "matmul"
+    # the router's softmax on the compiled backend is not attention; under the torch backend the
+    # attention's own softmax is
+    assert _op_family("aten::_softmax", "cpu") == "other torch ops"
+    assert _op_family("aten::_softmax", "torch") == "attention"
+    assert _op_family("kvserve_cpu::paged_attention", "cpu") == "attention"

@@ -98,6 +98,28 @@ def test_ragged_batches_match_reference(num_heads, kv_heads, head_dim, block_siz
     assert worst < 1e-5, (specs, worst)
 
 
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim", [(8, 4, 64), (12, 4, 48), (4, 2, 128)])
+def test_runs_of_a_sequences_kv_heads_at_thread_counts(num_heads, kv_heads, head_dim):
+    """Decodes' items go out in runs of a sequence's KV heads (run_pass), capped by the items a thread
+    should get: at 1, 2, 3 and 8 threads every output row is the reference's, and the same bits
+    whichever thread ran it."""
+    rng = random.Random(head_dim)
+    pool = Pool(400, 16, kv_heads, head_dim, seed=head_dim)
+    specs = [(1, rng.randint(1, 120)) for _ in range(37)] + [(23, 23), (9, 70), (1, 1)]
+    tables = [pool.blocks(s) for _, s in specs]
+    outs = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            worst, out = run(pool, specs, tables, num_heads)
+            assert worst < 1e-5, (threads, worst)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
 @pytest.mark.parametrize("head_dim", [32, 48, 80, 112])
 @pytest.mark.parametrize("num_heads,kv_heads", [(7, 1), (6, 2), (4, 4)])
 def test_prefill_blocks_and_their_remainders_match_reference(num_heads, kv_heads, head_dim):

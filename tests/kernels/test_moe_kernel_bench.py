@@ -48,14 +48,47 @@ def test_a_split_beyond_the_bound_stops_the_run(monkeypatch):
 
 
 def test_widths_the_split_cannot_take_are_timed_in_float32_and_named():
-    result = moe_kernel.measure(96, 40, 4, 2, (5,), rounds=1, repeats=1, threads=1)
+    result = moe_kernel.measure(100, 40, 4, 2, (5,), rounds=1, repeats=1, threads=1)
     assert list(result["batches"][0]["seconds"]) == ["float32"]
     if OPS.amx_usable():
-        assert result["split_unavailable"] == ("the split needs a multiple of 32 input features "
-                                               "(hidden 96, intermediate 40)")
+        assert result["split_unavailable"] == ("the split needs a multiple of 32 input features, which neither "
+                                               "hidden (100) nor intermediate (40) is")
 
 
-def test_a_top_k_beyond_the_experts_is_refused(capsys):
+def test_each_weight_is_split_where_32_divides_its_inputs_as_the_layer_lays_them_out(capsys):
+    """FusedMoE.pack_for_cpu splits w13 (inputs: hidden) and w2 (inputs: intermediate) each on its own:
+    hidden 96 splits gate|up, intermediate 40 keeps down in float32 panels, and the benchmark times that."""
+    if not OPS.amx_usable():
+        assert moe_kernel.measure(96, 40, 4, 2, (70,), rounds=1, repeats=1, threads=1)["split_unavailable"]
+        return
+    result = moe_kernel.measure(96, 40, 4, 2, (70,), rounds=1, repeats=1, threads=1)
+    assert result["split"] == [True, False] and list(result["batches"][0]["seconds"]) == ["float32", "bf16x3"]
+    assert result["batches"][0]["split_error"] <= moe_kernel.MAX_SPLIT_ERROR
+    assert "bf16x3: w2 (down) stays in float32 panels" in moe_kernel.format_table(result)
+
+
+def test_the_layouts_alternate_which_goes_first(monkeypatch):
+    """Round r times float32 then bf16x3 where r is even, the other way round where odd: neither layout
+    always runs in the other's wake."""
+    calls = []
+    monkeypatch.setattr(moe_kernel, "_best", lambda fn, repeats: calls.append(fn) or 1.0)
+    result = moe_kernel.measure(96, 64, 4, 2, (5,), rounds=4, repeats=1, threads=1)
+    names = list(result["batches"][0]["seconds"])
+    if len(names) == 1:  # no AMX tiles: float32 alone, once a round
+        assert len(calls) == 4
+        return
+    first = calls[0]
+    order = ["float32" if fn is first else "bf16x3" for fn in calls]
+    assert order == ["float32", "bf16x3", "bf16x3", "float32", "float32", "bf16x3", "bf16x3", "float32"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--experts", "4", "--top-k", "5"], "--top-k must be between 1 and the 4 experts, not 5"),
+    (["--rounds", "0"], "--rounds must be at least 1, not 0"),
+    (["--repeats", "0"], "--repeats must be at least 1, not 0"),
+    (["--tokens", "0,16"], "--tokens must list batch sizes of at least 1 token"),
+])
+def test_arguments_out_of_range_are_refused(args, message, capsys):
     with pytest.raises(SystemExit):
-        moe_kernel.main(["--experts", "4", "--top-k", "5"])
-    assert "--top-k must be between 1 and the 4 experts, not 5" in capsys.readouterr().err
+        moe_kernel.main(args)
+    assert message in capsys.readouterr().err
