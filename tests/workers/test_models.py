@@ -60,23 +60,33 @@ def _build(name: str, path: Path) -> Checkpoint:
         max_position_embeddings=128, attn_implementation="eager", **kwargs,
     )
     torch.manual_seed(0)
-    hf_model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    return saved_checkpoint(getattr(transformers, f"{family}ForCausalLM")(config).eval(), path)
+
+
+def saved_checkpoint(hf_model: transformers.PreTrainedModel, path: Path) -> Checkpoint:
+    """``hf_model`` saved at ``path``, with its logits over each sequence of SEQS (the reference)."""
     hf_model.save_pretrained(path)
     with torch.inference_mode():
         refs = {seq: hf_model(torch.tensor([tokens])).logits[0].float() for seq, tokens in SEQS.items()}
     return Checkpoint(path, json.loads((path / "config.json").read_text()), hf_model, refs)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Checkpoint]:
+def cached_builds(tmp_path_factory: pytest.TempPathFactory,
+                  build: Callable[[str, Path], Checkpoint]) -> Callable[[str], Checkpoint]:
+    """name -> ``build(name, a new temporary directory)``, built once per name (a module fixture's body)."""
     cache: dict[str, Checkpoint] = {}
 
     def get(name: str) -> Checkpoint:
         if name not in cache:
-            cache[name] = _build(name, tmp_path_factory.mktemp(name))
+            cache[name] = build(name, tmp_path_factory.mktemp(name))
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Checkpoint]:
+    return cached_builds(tmp_path_factory, _build)
 
 
 class Paging:

@@ -6,7 +6,6 @@ default and deterministic orders; both against Hugging Face transformers."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import transformers
 from tests.compiled import cpu_backend_or_skip
 from tests.workers.test_decoder_stack import _model as stacked_model
 from tests.workers.test_decoder_stack import _run as run_stack_scenario
-from tests.workers.test_models import SEQS, VOCAB, Checkpoint, load_model, max_diff
+from tests.workers.test_models import VOCAB, Checkpoint, cached_builds, load_model, max_diff, saved_checkpoint
 from workers.layers.kernels import bind_cpu_kernels
 from workers.layers.moe import FusedMoE
 from workers.parallel_state import TPGroup
@@ -46,22 +45,12 @@ def build(name: str, path: Path) -> Checkpoint:
             gate = getattr(module, "gate", None)
             if isinstance(gate, torch.nn.Module) and hasattr(gate, "weight") and gate.weight.shape[0] in (4, 6):
                 gate.weight.mul_(8.0)  # a decided router: no near-tie between experts for float error to flip
-    hf_model.save_pretrained(path)
-    with torch.inference_mode():
-        refs = {seq: hf_model(torch.tensor([tokens])).logits[0].float() for seq, tokens in SEQS.items()}
-    return Checkpoint(path, json.loads((path / "config.json").read_text()), hf_model, refs)
+    return saved_checkpoint(hf_model, path)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    cache: dict[str, Checkpoint] = {}
-
-    def get(name: str) -> Checkpoint:
-        if name not in cache:
-            cache[name] = build(name, tmp_path_factory.mktemp(name))
-        return cache[name]
-
-    return get
+    return cached_builds(tmp_path_factory, build)
 
 
 class Deterministic(torch.nn.Module):

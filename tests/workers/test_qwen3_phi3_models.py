@@ -7,7 +7,6 @@ LongRoPE cache against transformers' rotary; and the configs that are refused.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import transformers
 from tests.compiled import cpu_backend_or_skip
 from tests.workers.test_decoder_stack import _model as stacked_model
 from tests.workers.test_decoder_stack import _run as run_stack_scenario
-from tests.workers.test_models import SEQS, VOCAB, Checkpoint, load_model, max_diff, run_scenario
+from tests.workers.test_models import VOCAB, Checkpoint, cached_builds, load_model, max_diff, run_scenario, saved_checkpoint
 from workers.layers import RotaryEmbedding
 from workers.models import kv_cache_shape, resolve_architecture
 from workers.models.phi3 import Phi3ForCausalLM
@@ -57,22 +56,12 @@ def build(name: str, path: Path) -> Checkpoint:
         for layer in hf_model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.data.uniform_(0.5, 1.5)
-    hf_model.save_pretrained(path)
-    with torch.inference_mode():
-        refs = {seq: hf_model(torch.tensor([tokens])).logits[0].float() for seq, tokens in SEQS.items()}
-    return Checkpoint(path, json.loads((path / "config.json").read_text()), hf_model, refs)
+    return saved_checkpoint(hf_model, path)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    cache: dict[str, Checkpoint] = {}
-
-    def get(name: str) -> Checkpoint:
-        if name not in cache:
-            cache[name] = build(name, tmp_path_factory.mktemp(name))
-        return cache[name]
-
-    return get
+    return cached_builds(tmp_path_factory, build)
 
 
 class LongRows(torch.nn.Module):
