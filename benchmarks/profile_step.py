@@ -25,7 +25,8 @@ from kernels.kv_quant import KV_CACHE_DTYPES
 PHASES = ("schedule", "prepare inputs", "forward", "logits", "sample", "update", "outputs")
 OP_FAMILIES = {
     # the compiled experts' op is counted whole (its routing and weighted scatter are a sliver of it)
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "kvserve_cpu::linear", "kvserve_cpu::moe_experts"),
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "kvserve_cpu::linear",
+               "kvserve_cpu::moe_experts"),
     "attention": ("kvserve_cpu::paged_attention", "kvserve_cpu::store_kv"),
     "fused layer ops": ("kvserve_cpu::rms_norm", "kvserve_cpu::fused_add_rms_norm", "kvserve_cpu::silu_and_mul",
                         "kvserve_cpu::rotary_embedding"),

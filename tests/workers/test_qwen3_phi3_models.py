@@ -16,7 +16,15 @@ import transformers
 from tests.compiled import cpu_backend_or_skip
 from tests.workers.test_decoder_stack import _model as stacked_model
 from tests.workers.test_decoder_stack import _run as run_stack_scenario
-from tests.workers.test_models import VOCAB, Checkpoint, cached_builds, load_model, max_diff, run_scenario, saved_checkpoint
+from tests.workers.test_models import (
+    VOCAB,
+    Checkpoint,
+    cached_builds,
+    load_model,
+    max_diff,
+    run_scenario,
+    saved_checkpoint,
+)
 from workers.layers import RotaryEmbedding
 from workers.models import kv_cache_shape, resolve_architecture
 from workers.models.phi3 import Phi3ForCausalLM
