@@ -168,8 +168,7 @@ struct KvRowReader {
 //   +-480 * scale from the vector lanes (the table's NaN in the scalar tail).
 // - int8: sign-extended to int32 and converted, exactly.
 // No add anywhere, so no FMA contraction can change a product.
-__attribute__((always_inline)) inline void dequantize_row(const uint8_t* row, int d, int fmt, const float* table,
-                                                      float* out) {
+inline void dequantize_row(const uint8_t* row, int d, int fmt, const float* table, float* out) {
   const float s = kv_row_scale(row, d);
   int k = 0;
 #ifdef KVSERVE_KV_VECTORS

@@ -435,6 +435,47 @@ inline void transpose(vf* t) {
   }
 }
 
+#ifdef KVSERVE_KV_VECTORS
+// The few-rows path's scores against a tile of a quantized pool's keys: s[r * kKeyTile + j] = q_r . k_j
+// for rows <= kFusedRows query rows (q: [rows][nv * W] floats) and the n keys at kc (a null row: a key
+// below every row's window, zeros), each key row converted into registers once (KvRowReader) and its
+// products vectorised over head_dim, then 16 keys' partial sums reduced into one vector of scores: the
+// products and sums of the scratch path, in its order. pf's next rows are asked for after each key.
+// One instance per head size (not per query type: the queries are floats here), and not inlined into
+// attend's 21 instances, whose compile time it would otherwise double.
+template <int DV>
+__attribute__((noinline)) void fused_key_scores(const float* __restrict__ q, int rows, int nv,
+                                                const uint8_t* const* kc, int n, int fmt, float* __restrict__ s,
+                                                TilePrefetch& pf) {
+  if constexpr (DV > 0) nv = DV;
+  const int d = nv * W;
+  for (int j0 = 0; j0 < n; j0 += W) {
+    const int nj = std::min(W, n - j0);
+    vf part[kFusedRows][W];
+    for (int j = 0; j < nj; ++j) {
+      vf kv[DV > 0 ? DV : kMaxVectors];
+      if (kc[j0 + j] == nullptr) {
+        for (int c = 0; c < nv; ++c) kv[c] = vf{};
+      } else {
+        const KvRowReader reader(kc[j0 + j], d, fmt);
+        for (int c = 0; c < nv; ++c) kv[c] = reader.at(c);
+      }
+      for (int r = 0; r < rows; ++r) {
+        const float* qr = q + r * d;
+        vf t = vload(qr) * kv[0];
+        for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * kv[c];
+        part[r][j] = t;
+      }
+      pf.issue(2 * (j0 + j + 1));
+    }
+    for (int r = 0; r < rows; ++r) {
+      for (int j = nj; j < W; ++j) part[r][j] = vf{};
+      vstore(s + r * kKeyTile + j0, transpose_sum(part[r]));
+    }
+  }
+}
+#endif
+
 // One work item: `num_tokens` query tokens (flat indices `tokens`, key limits `limits`, window
 // bounds `lowers`) and the query heads of KV head `kv_head` against keys [kv_begin, max limit) of
 // block table `table`.
@@ -662,30 +703,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
       // sums reduced together into one vector of scores
 #ifdef KVSERVE_KV_VECTORS
       if (fused_keys) {  // the same products in the same order, each key row converted once (rows <= kFusedRows)
-        for (int j0 = 0; j0 < n; j0 += W) {
-          const int nj = std::min(W, n - j0);
-          vf part[kFusedRows][W];
-          for (int j = 0; j < nj; ++j) {
-            vf kv[DV > 0 ? DV : kMaxVectors];
-            if (kc[j0 + j] == nullptr) {
-              for (int c = 0; c < nv; ++c) kv[c] = vf{};
-            } else {
-              const KvRowReader reader(kc[j0 + j], d, p.kv_format);
-              for (int c = 0; c < nv; ++c) kv[c] = reader.at(c);
-            }
-            for (int r = 0; r < rows; ++r) {
-              const float* qr = q + r * d;
-              vf t = vload(qr) * kv[0];
-              for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * kv[c];
-              part[r][j] = t;
-            }
-            pf.issue(2 * (j0 + j + 1));
-          }
-          for (int r = 0; r < rows; ++r) {
-            for (int j = nj; j < W; ++j) part[r][j] = vf{};
-            vstore(s + r * kKeyTile + j0, transpose_sum(part[r]));
-          }
-        }
+        fused_key_scores<DV>(q, rows, nv, kc, n, p.kv_format, s, pf);
       } else
 #endif
       for (int j0 = 0; j0 < n; j0 += W) {
