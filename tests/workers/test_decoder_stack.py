@@ -53,14 +53,19 @@ def _run(model: torch.nn.Module, ckpt: Checkpoint) -> list[list[tuple[str, int, 
     return results
 
 
+def assert_same_bits(got_steps, want_steps, name: str) -> None:
+    """Two runs of ``_run``'s scenario gave every sequence the same logits to the bit."""
+    for got_step, want_step in zip(got_steps, want_steps, strict=True):
+        for (seq, start, got), (_, _, want) in zip(got_step, want_step, strict=True):
+            assert torch.equal(got, want), f"{name}: {seq}[{start}:] differs by {(got - want).abs().max().item():.2e}"
+
+
 @pytest.mark.parametrize("name", STACKED)
 def test_stack_matches_layer_by_layer_to_the_bit(name: str, checkpoint: Callable[[str], Checkpoint]) -> None:
     ckpt = checkpoint(name)
     with torch.inference_mode():
         stacked, layered = _run(_model(ckpt, True), ckpt), _run(_model(ckpt, False), ckpt)
-    for got_step, want_step in zip(stacked, layered, strict=True):
-        for (seq, start, got), (_, _, want) in zip(got_step, want_step, strict=True):
-            assert torch.equal(got, want), f"{name}: {seq}[{start}:] differs by {(got - want).abs().max().item():.2e}"
+    assert_same_bits(stacked, layered, name)
     max_diff(stacked, ckpt)  # and both match HF
 
 

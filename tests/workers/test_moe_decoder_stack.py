@@ -15,6 +15,7 @@ import transformers
 from tests.compiled import cpu_backend_or_skip
 from tests.workers.test_decoder_stack import _model as stacked_model
 from tests.workers.test_decoder_stack import _run as run_stack_scenario
+from tests.workers.test_decoder_stack import assert_same_bits
 from tests.workers.test_models import VOCAB, Checkpoint, cached_builds, load_model, max_diff, saved_checkpoint
 from workers.layers.kernels import bind_cpu_kernels
 from workers.layers.moe import FusedMoE
@@ -86,9 +87,7 @@ def test_moe_stack_matches_the_layers_to_the_bit(name, threads, ckpt):
             layered = run_stack_scenario(stacked_model(c, False), c)
     finally:
         torch.set_num_threads(before)
-    for got_step, want_step in zip(stacked, layered, strict=True):
-        for (seq, start, got), (_, _, want) in zip(got_step, want_step, strict=True):
-            assert torch.equal(got, want), f"{name}: {seq}[{start}:] differs by {(got - want).abs().max().item():.2e}"
+    assert_same_bits(stacked, layered, name)
     max_diff(stacked, c)  # and both match HF
 
 
@@ -105,9 +104,7 @@ def test_moe_stack_in_the_deterministic_order(name, ckpt):
         assert stacked.model.model.stack is not None
         layered.model.model.stack = None
         got_steps, want_steps = run_stack_scenario(stacked, c), run_stack_scenario(layered, c)
-    for got_step, want_step in zip(got_steps, want_steps, strict=True):
-        for (seq, start, got), (_, _, want) in zip(got_step, want_step, strict=True):
-            assert torch.equal(got, want), f"{name}: {seq}[{start}:] differs by {(got - want).abs().max().item():.2e}"
+    assert_same_bits(got_steps, want_steps, name)
     max_diff(got_steps, c)
 
 

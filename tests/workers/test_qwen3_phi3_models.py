@@ -16,6 +16,7 @@ import transformers
 from tests.compiled import cpu_backend_or_skip
 from tests.workers.test_decoder_stack import _model as stacked_model
 from tests.workers.test_decoder_stack import _run as run_stack_scenario
+from tests.workers.test_decoder_stack import assert_same_bits
 from tests.workers.test_models import (
     VOCAB,
     Checkpoint,
@@ -139,9 +140,7 @@ def test_decoder_stack_matches_the_layers_to_the_bit(name, threads, ckpt):
             layered = run_stack_scenario(runnable(name, stacked_model(c, False)), c)
     finally:
         torch.set_num_threads(before)
-    for got_step, want_step in zip(stacked, layered, strict=True):
-        for (seq, start, got), (_, _, want) in zip(got_step, want_step, strict=True):
-            assert torch.equal(got, want), f"{name}: {seq}[{start}:] differs by {(got - want).abs().max().item():.2e}"
+    assert_same_bits(stacked, layered, name)
     max_diff(stacked, c)  # and both match HF
 
 
