@@ -584,8 +584,8 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
 
   const float* kf[kKeyTile];
   const float* vf_[kKeyTile];
-  // decode-sized items of a quantized pool: each key row converted into registers where the scores
-  // use it (no scratch row), for up to kFusedRows query rows at a time; null: a key below every row's
+  // items of a quantized pool with at most kFusedRows query rows (decodes): each key row converted into
+  // registers where the scores use it (fused_key_scores, no scratch row); null: a key below every row's
   // window (zeros)
   const uint8_t* kc[kKeyTile];
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.row_width;
