@@ -18,7 +18,6 @@ the same (dequantized) pool, and the run stops if it is off. The memory read rat
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -26,6 +25,8 @@ import sys
 import time
 
 import torch
+
+from benchmarks.op_report import comma_ints, emit
 
 FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
 MAX_ERROR = 1e-4  # the output against the float64 reference over the same pool's values
@@ -39,9 +40,6 @@ def _backend():
         raise SystemExit(f"the compiled CPU kernels are not available here: {load_error()}")
     return select_backend("cpu", torch.device("cpu"))[0]
 
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
 
 
 def read_rate(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
@@ -180,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.attention_op", description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--formats", default="auto", help=f"comma-separated, of {', '.join(FORMATS)}")
-    parser.add_argument("--threads", type=_ints, default=(1, 2), help="comma-separated thread counts")
+    parser.add_argument("--threads", type=comma_ints, default=(1, 2), help="comma-separated thread counts")
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=288, help="keys per sequence (the prompt at --mode prefill)")
     parser.add_argument("--layers", type=int, default=8)
@@ -206,11 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     result = measure(args.mode, formats, args.threads, args.seqs, args.context, args.layers, args.heads,
                      args.kv_heads, args.head_dim, args.block_size, args.repeats, args.shuffle, args.read_gib)
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=1)
-    return 0
+    return emit(result, format_table, args.json)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ given). ``of peak``: GFLOP/s / (per-core peak x threads).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -27,6 +26,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.op_report import comma_ints, emit
 
 ROWS = (1, 8, 64, 256, 512, 1024, 2048)
 # (K, N): inputs x outputs of a linear layer
@@ -143,9 +144,6 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v)
-
 
 def _shapes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(int(v) for v in s.split("x")) for s in text.split(",") if s)  # type: ignore[misc]
@@ -153,19 +151,15 @@ def _shapes(text: str) -> tuple[tuple[int, int], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gemm_peak", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=_ints, default=ROWS, help="comma-separated M values")
+    parser.add_argument("--rows", type=comma_ints, default=ROWS, help="comma-separated M values")
     parser.add_argument("--shapes", type=_shapes, default=tuple(SHAPES), help="comma-separated KxN weights")
-    parser.add_argument("--threads", type=_ints, default=(1, 2))
+    parser.add_argument("--threads", type=comma_ints, default=(1, 2))
     parser.add_argument("--repeats", type=int, default=5, help="runs per product; the best is kept")
     parser.add_argument("--no-torch", action="store_true", help="skip F.linear")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     result = measure(args.rows, args.shapes, args.threads, args.repeats, torch_too=not args.no_torch)
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=1)
-    return 0
+    return emit(result, format_table, args.json)
 
 
 if __name__ == "__main__":

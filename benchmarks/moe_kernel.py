@@ -17,13 +17,14 @@ build grants no AMX tiles only float32 is timed, and the report says why.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
 
 import torch
+
+from benchmarks.op_report import comma_ints, emit
 
 # two chained products each within the dense bf16x3 bound of 3e-5 of the output's scale
 # (tests/kernels/test_cpu_moe.py measures at most 4.4e-5 over its shapes)
@@ -141,9 +142,6 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v)
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_kernel", description=__doc__.split("\n\n")[0])
@@ -151,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=2816, help="each expert's intermediate features")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--tokens", type=_ints, default=(16, 512, 2048), help="comma-separated batch sizes")
+    parser.add_argument("--tokens", type=comma_ints, default=(16, 512, 2048), help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=15, help="turns each layout takes")
     parser.add_argument("--repeats", type=int, default=3, help="calls per round; the best is kept")
     parser.add_argument("--threads", type=int, default=2)
@@ -166,11 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tokens must list batch sizes of at least 1 token")
     result = measure(args.hidden, args.intermediate, args.experts, args.top_k, args.tokens, args.rounds,
                      args.repeats, args.threads)
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=1)
-    return 0
+    return emit(result, format_table, args.json)
 
 
 if __name__ == "__main__":
