@@ -10,9 +10,11 @@ GFLOP/s (4 x head_dim x heads flops for each visible query-key pair). A sequence
 other in the pool (``--shuffle`` scatters them as a long-running pool does).
 
 Each format and thread count is timed ``--repeats`` times (best and median of the whole pass over the
-layers); before timing, the op's output on the first layer is set against the float64 reference over
-the same (dequantized) pool, and the run stops if it is off. The memory read rate is torch's ``sum`` of a
-``--read-gib`` GiB tensor (1 by default) at each thread count: what a stream reads, the bound decodes of a float32 pool approach.
+layers); before timing, the op's output on the first layer, every sequence of it, is set against the
+float64 reference over the same (dequantized) pool, and the run stops if it is off by more than
+``MAX_ERROR``. The memory read rate is torch's ``sum`` of a ``--read-gib`` GiB tensor (1 by default) at
+each thread count: what a stream reads, the bound that decodes of a float32 pool approach. The
+caller's torch threads are set back at the end.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ def _backend():
     return select_backend("cpu", torch.device("cpu"))[0]
 
 
-
 def read_rate(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
-    """GB/s of torch's sum over a ``gib`` GiB float32 tensor on ``threads`` threads (the best of the repeats)."""
+    """GB/s of torch's sum over a ``gib`` GiB float32 tensor on ``threads`` threads (the best of the
+    repeats); the caller sets the threads back."""
     torch.set_num_threads(threads)
     x = torch.ones(int(gib * (1 << 30)) // 4)
     x.sum()
@@ -97,16 +99,16 @@ class Step:
         for layer in range(len(self.pools)):
             self.run(layer)
 
-    def check(self, checked_seqs: int = 2) -> float:
+    def check(self) -> float:
         """The largest difference of the first layer's output from the float64 reference over the pool's
-        values (after the op stored the step's keys and values), for the first sequences."""
+        values (after the op stored the step's keys and values), over every sequence."""
         from kernels.kv_quant import dequantize_pool
         from kernels.reference import naive_causal_attention
 
         out = self.run(0)
         k_pool, v_pool = (dequantize_pool(p, self.fmt, torch.float32) for p in self.pools[0])
         worst = 0.0
-        for s in range(min(checked_seqs, self.seqs)):
+        for s in range(self.seqs):
             idx = torch.tensor(self.tables[s])
             k = k_pool[idx].reshape(-1, self.kv_heads, self.head_dim)[:self.context]
             v = v_pool[idx].reshape(-1, self.kv_heads, self.head_dim)[:self.context]
@@ -134,26 +136,30 @@ def measure(mode: str, formats, threads, seqs: int, context: int, layers: int, h
     result = {"mode": mode, "seqs": seqs, "context": context, "layers": layers, "heads": heads,
               "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size, "shuffle": shuffle,
               "read_gib": read_gib, "read_gbps": {}, "runs": []}
-    for t in threads:
-        result["read_gbps"][t] = read_rate(t, read_gib)
-    for fmt in formats:
-        step = Step(mode, fmt, seqs, context, layers, heads, kv_heads, head_dim, block_size, shuffle)
+    threads_before = torch.get_num_threads()
+    try:
         for t in threads:
-            torch.set_num_threads(t)
-            error = step.check()
-            if not error <= MAX_ERROR:
-                raise RuntimeError(f"the op's output is {error:.3g} from the reference ({fmt}, {t} threads)")
-            step.run_all()  # warm: the kernels' scratch, the pages of the output
-            times = sorted(_timed(step.run_all) for _ in range(repeats))
-            best, median = times[0], statistics.median(times)
-            run = {"format": fmt, "threads": t, "best_ms": best * 1e3, "median_ms": median * 1e3,
-                   "max_error": error}
-            if mode == "decode":
-                run["gbps"] = step.bytes_read() / best / 1e9
-            else:
-                run["gflops"] = step.flops() / best / 1e9
-            result["runs"].append(run)
-        del step
+            result["read_gbps"][t] = read_rate(t, read_gib)
+        for fmt in formats:
+            step = Step(mode, fmt, seqs, context, layers, heads, kv_heads, head_dim, block_size, shuffle)
+            for t in threads:
+                torch.set_num_threads(t)
+                error = step.check()
+                if not error <= MAX_ERROR:
+                    raise RuntimeError(f"the op's output is {error:.3g} from the reference ({fmt}, {t} threads)")
+                step.run_all()  # warm: the kernels' scratch, the pages of the output
+                times = sorted(_timed(step.run_all) for _ in range(repeats))
+                best, median = times[0], statistics.median(times)
+                run = {"format": fmt, "threads": t, "best_ms": best * 1e3, "median_ms": median * 1e3,
+                       "max_error": error}
+                if mode == "decode":
+                    run["gbps"] = step.bytes_read() / best / 1e9
+                else:
+                    run["gflops"] = step.flops() / best / 1e9
+                result["runs"].append(run)
+            del step
+    finally:
+        torch.set_num_threads(threads_before)
     return result
 
 
@@ -200,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     if not args.threads or min(args.threads) < 1:
         parser.error("--threads must list thread counts of at least 1")
+    if not args.read_gib > 0:
+        parser.error(f"--read-gib must be above 0, not {args.read_gib:g}")
     if args.heads % args.kv_heads:
         parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     result = measure(args.mode, formats, args.threads, args.seqs, args.context, args.layers, args.heads,

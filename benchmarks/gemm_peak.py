@@ -144,7 +144,6 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-
 def _shapes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(int(v) for v in s.split("x")) for s in text.split(",") if s)  # type: ignore[misc]
 

@@ -142,7 +142,6 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_kernel", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)

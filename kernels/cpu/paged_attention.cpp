@@ -614,10 +614,11 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
     // Spread over the tile's scores, into L2 (the row-vectorised path a few rows before each block of
     // keys, the few-rows path a key's K and V rows after each key's products): a burst held the L1's
     // fill buffers while the tile's conversions waited (int8 decodes at 64 x 2k keys: 14-16 against
-    // 11-12 ms a layer), and float decodes, whose rows stream from memory, read 8 GB/s a core with the
-    // whole next tile asked for into L1 at once against 12 spread into L2 (`python -m
-    // benchmarks.attention_op` on the AMD EPYC VM: 36.3 against 25.3-25.8 ms on one thread, 18.7 against
-    // 14.2-14.5 on two; one tile further ahead gave nothing more).
+    // 11-12 ms a layer), and float32 decodes, whose rows stream from memory, read 8.3 GB/s on one thread
+    // with the whole next tile asked for into L1 at once against 11.7-11.9 spread into L2 (`python -m
+    // benchmarks.attention_op` on the AMD EPYC VM: 36.3 against 25.3-25.8 ms on one thread, 18.6-18.8
+    // against 14.2-14.5 on two; in an ad hoc copy of that step, one tile further ahead 27.4 / 15.6 against
+    // 25.8-26.0 / 13.8-15.2). Decodes of a bfloat16 or float16 pool take the same spread, not measured.
     TilePrefetch pf;
     pf.bytes = static_cast<int>(row_bytes);
     for (int j = 0; j < next_n; ++j) {

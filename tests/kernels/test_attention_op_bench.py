@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import attention_op
 from tests.compiled import cpu_backend_or_skip
@@ -34,18 +35,28 @@ def test_decodes_of_every_format_report_the_pool_bytes_they_read(tmp_path, capsy
 
 
 def test_prefills_report_the_causal_products_flops():
+    torch.set_num_threads(1)
     result = attention_op.measure("prefill", ["auto"], [2], seqs=2, context=37, layers=1, heads=4, kv_heads=1,
                                   head_dim=32, block_size=8, repeats=1, shuffle=True, read_gib=0.02)
     (run,) = result["runs"]
     assert run["max_error"] <= attention_op.MAX_ERROR
+    assert torch.get_num_threads() == 1  # the caller's threads back
     pairs = 37 * 38 // 2  # each of the 37 query tokens sees itself and the keys before it
     assert run["gflops"] == pytest.approx(4 * 32 * 4 * pairs * 2 / (run["best_ms"] / 1e3) / 1e9)
 
 
 def test_a_wrong_output_stops_the_run(monkeypatch):
-    monkeypatch.setattr(attention_op.Step, "run", lambda self, layer: self.query * 0 + 1e3)
+    # the last sequence's rows wrong: every sequence is checked, not only the first
+    right = attention_op.Step.run
+
+    def run(self, layer):
+        out = right(self, layer).clone()
+        out[-1] += 1e-3
+        return out
+
+    monkeypatch.setattr(attention_op.Step, "run", run)
     with pytest.raises(RuntimeError, match=r"the op's output is .* from the reference \(auto, 1 threads\)"):
-        attention_op.measure("decode", ["auto"], [1], seqs=2, context=9, layers=1, heads=2, kv_heads=1,
+        attention_op.measure("decode", ["auto"], [1], seqs=3, context=9, layers=1, heads=2, kv_heads=1,
                              head_dim=16, block_size=8, repeats=1, shuffle=False, read_gib=0.01)
 
 
@@ -54,6 +65,7 @@ def test_a_wrong_output_stops_the_run(monkeypatch):
     (["--heads", "6", "--kv-heads", "4"], "--heads (6) must be a multiple of --kv-heads (4)"),
     (["--threads", "0"], "--threads must list thread counts of at least 1"),
     (["--context", "0"], "--context must be at least 1, not 0"),
+    (["--read-gib", "0"], "--read-gib must be above 0, not 0"),
 ])
 def test_bad_arguments_are_refused_in_one_sentence(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
