@@ -25,6 +25,7 @@ import time
 import torch
 
 from benchmarks.op_report import comma_ints, emit
+from kernels.cpu.layer_ops import lay_out_expert_weight
 
 # two chained products each within the dense bf16x3 bound of 3e-5 of the output's scale
 # (tests/kernels/test_cpu_moe.py measures at most 4.4e-5 over its shapes)
@@ -83,13 +84,14 @@ def measure(hidden: int = 1024, intermediate: int = 2816, experts: int = 8, top_
         elif hidden % 32 and intermediate % 32:
             split_why = (f"the split needs a multiple of 32 input features, which neither hidden ({hidden}) nor "
                          f"intermediate ({intermediate}) is")
-        else:  # as FusedMoE.pack_for_cpu lays them out: each weight split where 32 divides its inputs
-            layouts["bf16x3"] = tuple(ops.moe_split_weight(w) if w.shape[2] % 32 == 0 else ops.moe_pack_weight(w)
-                                      for w in (w13, w2))
+        split = []
+        if not split_why:  # as FusedMoE.pack_for_cpu lays them out: each weight split where 32 divides its inputs
+            laid = [lay_out_expert_weight(ops, w, split=True) for w in (w13, w2)]
+            layouts["bf16x3"] = tuple(weight for weight, _ in laid)
+            split = [was_split for _, was_split in laid]
         result: dict = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k,
                         "threads": threads, "rounds": rounds, "repeats": repeats, "split_unavailable": split_why,
-                        "split": [w.shape[2] % 32 == 0 for w in (w13, w2)] if "bf16x3" in layouts else [],
-                        "batches": []}
+                        "split": split, "batches": []}
         for n in tokens:
             x, weights, ids = batch(n, hidden, experts, top_k, seed)
             run = {name: (lambda a=a, b=b: ops.moe_experts(x, a, b, weights, ids, 0, intermediate))

@@ -11,6 +11,16 @@ import torch
 from kernels.kv_quant import FORMAT_IDS
 
 
+def lay_out_expert_weight(ops, weight: torch.Tensor, split: bool) -> tuple[torch.Tensor, bool]:
+    """An expert weight [E, N, K] (float32) as the compiled experts op takes it: with ``split`` (the bf16x3
+    product of ``cpu_matmul_precision="high"``) split into bfloat16 hi and lo halves where 32 divides its
+    input features K, else in padded float32 column panels; and whether it was split. ``ops``: anything
+    with ``moe_split_weight`` and ``moe_pack_weight`` (``CpuLayerOps``, or the loaded ops module)."""
+    if split and weight.shape[2] > 0 and weight.shape[2] % 32 == 0:
+        return ops.moe_split_weight(weight), True
+    return ops.moe_pack_weight(weight), False
+
+
 class CpuLayerOps:
     def __init__(self, ops, attention_args) -> None:
         self.ops = ops  # torch.ops.kvserve_cpu

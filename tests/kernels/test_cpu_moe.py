@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu.layer_ops import lay_out_expert_weight
 from kernels.torch_moe import moe_experts, select_experts
 from tests.compiled import cpu_backend_or_skip
 from tests.kernels.test_cpu_envelope import threads
@@ -159,7 +160,7 @@ def assert_split_refused():
 
 def laid_out(w):
     """w's expert weight as moe_experts takes it under "high": split where 32 divides its inputs, else packed."""
-    return OPS.moe_split_weight(w) if w.shape[2] % 32 == 0 else OPS.moe_pack_weight(w)
+    return lay_out_expert_weight(OPS, w, split=True)[0]
 
 
 def skewed_problem(tokens, hidden, inter, experts, top_k, seed=0):

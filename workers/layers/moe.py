@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.cpu.layer_ops import lay_out_expert_weight
 from kernels.torch_moe import moe_experts, select_experts
 from workers.layers.activation import activation
 from workers.layers.linear import ReplicatedLinear, new_param
@@ -122,11 +123,8 @@ class FusedMoE(nn.Module):
             return False
         split_any = False
         for param in (self.w13_weight, self.w2_weight):
-            if split and param.shape[2] > 0 and param.shape[2] % 32 == 0:
-                param.data = layer_ops.moe_split_weight(param.data)
-                split_any = True
-            else:
-                param.data = layer_ops.moe_pack_weight(param.data)
+            param.data, was_split = lay_out_expert_weight(layer_ops, param.data, split)
+            split_any |= was_split
         self.cpu_experts = layer_ops.moe_experts
         return split_any
 
