@@ -5,6 +5,9 @@ still do not load, so a broken build cannot hide behind these skips."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -17,3 +20,14 @@ def cpu_backend_or_skip():
     if load() is None:
         pytest.skip(f"the compiled CPU kernels are unavailable here: {load_error()}", allow_module_level=True)
     return select_backend("cpu", torch.device("cpu"))[0]
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside the block, and set back after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -12,7 +12,7 @@ import torch
 
 from kernels import CascadeGroups, PagedAttentionMetadata, paged_attention
 from kernels.reference import naive_causal_attention
-from tests.compiled import cpu_backend_or_skip
+from tests.compiled import cpu_backend_or_skip, threads
 from workers.cascade import plan_cascade
 
 CPU = cpu_backend_or_skip()
@@ -108,15 +108,11 @@ def test_runs_of_a_sequences_kv_heads_at_thread_counts(num_heads, kv_heads, head
     specs = [(1, rng.randint(1, 120)) for _ in range(37)] + [(23, 23), (9, 70), (1, 1)]
     tables = [pool.blocks(s) for _, s in specs]
     outs = []
-    previous = torch.get_num_threads()
-    try:
-        for threads in (1, 2, 3, 8):
-            torch.set_num_threads(threads)
+    for n in (1, 2, 3, 8):
+        with threads(n):
             worst, out = run(pool, specs, tables, num_heads)
-            assert worst < 1e-5, (threads, worst)
-            outs.append(out)
-    finally:
-        torch.set_num_threads(previous)
+        assert worst < 1e-5, (n, worst)
+        outs.append(out)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
@@ -195,8 +191,8 @@ def test_shared_prefix_groups_match_reference(num_heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("num_heads,kv_heads,head_dim", [(8, 2, 64), (8, 1, 40), (4, 4, 128)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_large_groups_through_blas_match_reference(num_heads, kv_heads, head_dim, threads):
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_large_groups_through_blas_match_reference(num_heads, kv_heads, head_dim, num_threads):
     """Groups with many query rows per KV head take the BLAS path (group_attention.cpp): a 604-token
     prefix is two key chunks (512 + 92: a tail that is no multiple of the vector width), 40 decodes
     and two 30-token prefill chunks make 100 x (heads per KV head) rows, split into tiles of up to 256;
@@ -207,12 +203,8 @@ def test_large_groups_through_blas_match_reference(num_heads, kv_heads, head_dim
     specs, tables = shared_batch(pool, [(604, members), (40, [(1, 41), (2, 57)])], extra=[(5, 9)])
     cascade = plan_for(specs, tables, 4)
     assert cascade is not None and sorted(cascade.lens.tolist()) == [40, 604]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with threads(num_threads):
         with_groups, out_groups = run(pool, specs, tables, num_heads, cascade=cascade)
-    finally:
-        torch.set_num_threads(previous)
     without, out_plain = run(pool, specs, tables, num_heads)
     assert torch.isfinite(out_groups).all()
     assert with_groups < 1e-5 and without < 1e-5, (with_groups, without)

@@ -14,9 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from kernels.cpu.build import BuildError, build, load, load_error, openmp_flags, openmp_runtime
+from tests.compiled import threads
 from tests.conftest import HFOracle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,13 +182,9 @@ def test_loading_the_kernels_brings_no_second_openmp_runtime():
 
 def test_torch_threads_reach_the_kernels():
     ops = load()
-    previous = torch.get_num_threads()
-    try:
-        for n in (1, 2, 3, 4, 8):
-            torch.set_num_threads(n)
+    for n in (1, 2, 3, 4, 8):
+        with threads(n):
             assert ops.parallel_threads() == n
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_openmp_flags_link_torchs_runtime():

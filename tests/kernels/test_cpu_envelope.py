@@ -10,14 +10,13 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.reference import naive_rms_norm, naive_rotary
-from tests.compiled import cpu_backend_or_skip
+from tests.compiled import cpu_backend_or_skip, threads
 from tests.kernels.model_shapes import MODELS, linear_shapes
 from tests.kernels.test_cpu_attention import Pool, attend, plan_for, run, shared_batch
 from workers.allocator import huge_empty
@@ -30,16 +29,6 @@ LM_HEAD_INPUTS = 64  # the vocabulary's columns at a small depth: the split is o
 SHAPES = {**linear_shapes(), **{(m.vocab, LM_HEAD_INPUTS): f"{m.name} lm_head" for m in MODELS},
           # the `odd` preset's layers (qkv, gate_up, down, lm head): widths that are no multiple of 64
           (280, 200): "odd qkv", (1040, 200): "odd gate_up", (200, 520): "odd down", (4100, 200): "odd lm_head"}
-
-
-@contextmanager
-def threads(n: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def rows_over_grain(width: int, least: int = 37) -> int:

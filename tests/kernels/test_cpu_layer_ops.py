@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kernels import apply_rotary_emb, fused_add_rms_norm, rms_norm
 from kernels.reference import naive_rms_norm, naive_rotary
-from tests.compiled import cpu_backend_or_skip
+from tests.compiled import cpu_backend_or_skip, threads
 
 OPS = cpu_backend_or_skip().layer_ops
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -158,22 +158,18 @@ def test_packed_linear_matches_f_linear(rows, k, with_bias):
     assert OPS.linear(x.view(1, rows, k), _packed(weight), bias).shape == (1, rows, n)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_packed_linear_rows_do_not_depend_on_the_batch(threads):
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_packed_linear_rows_do_not_depend_on_the_batch(num_threads):
     """Every element is one chain over the inputs in order: a row's bits are the same alone, in any
     batch, at any position and with any number of threads."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(200, 700, generator=gen)
     packed = _packed(torch.randn(4 * OPS.panel_width, 700, generator=gen))
     bias = torch.randn(4 * OPS.panel_width, generator=gen)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with threads(num_threads):
         full = OPS.linear(x, packed, bias)
         for lo, hi in [(0, 1), (7, 8), (3, 10), (120, 200), (13, 133)]:
             assert torch.equal(OPS.linear(x[lo:hi], packed, bias), full[lo:hi]), (lo, hi)
-    finally:
-        torch.set_num_threads(previous)
     assert torch.equal(OPS.linear(x, packed, bias), full)
 
 

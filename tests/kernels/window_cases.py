@@ -9,6 +9,7 @@ import torch
 
 from kernels import PagedAttentionMetadata, paged_attention
 from kernels.reference import naive_causal_attention
+from tests.compiled import threads
 from tests.kernels.test_cpu_attention import Pool, shared_batch  # noqa: F401 - Pool: the window tests' pool
 from tests.kernels.test_cpu_attention import plan_for as groups_of  # noqa: F401 - the window tests' name
 
@@ -56,9 +57,6 @@ def shared(pool, groups, extra=()):
 
 
 def with_threads(n, fn):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
+    """fn() on ``n`` torch threads."""
+    with threads(n):
         return fn()
-    finally:
-        torch.set_num_threads(previous)
