@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 
 import pytest
@@ -21,13 +22,18 @@ TIMED_OUT = ("the structured output constraint did not compile within "
              "structured_output_compile_timeout_s=0.3 s; make it smaller or shallower.")
 
 
-def slow_compiles(manager, delays: dict[str, float]) -> None:
-    """Each compile whose spec mentions a key of ``delays`` sleeps that long first."""
+def slow_compiles(manager, delays: dict[str, float | threading.Event]) -> None:
+    """Each compile whose spec mentions a key of ``delays`` first sleeps that many seconds, or waits (30 s
+    at most) until that event is set."""
     backend = manager.backend
     real = backend.compile
 
     def compile(kind, spec):
-        time.sleep(next((d for k, d in delays.items() if k in str(spec)), 0.0))
+        delay = next((d for k, d in delays.items() if k in str(spec)), 0.0)
+        if isinstance(delay, threading.Event):
+            delay.wait(30)
+        else:
+            time.sleep(delay)
         return real(kind, spec)
 
     backend.compile = compile
@@ -141,15 +147,21 @@ def test_offline_compiles_wait_for_a_place_left_by_a_compile_that_outlived_its_c
                      structured_output_max_pending_compiles=2)
     llm = object.__new__(LLM)
     llm.core = core
-    slow_compiles(core.structured_outputs, {"slow": 0.6})
-    with pytest.raises(ValueError, match="did not compile within structured_output_compile_timeout_s=0.3 s"):
-        llm._compile_all([SamplingParams(structured_outputs=SO(choice=("slow", "no")))])
-    assert core.structured_outputs.num_pending == 1  # it runs on, holding one of the 2 places
-    params = [SamplingParams(structured_outputs=SO(choice=(f"yes{i}", f"no{i}"))) for i in range(3)]
-    grammars = llm._compile_all([SamplingParams()] + params)
-    assert grammars[0] is None and all(g is not None for g in grammars[1:])
-    # they went on beside the one still running (3 compiled, it still pending), never past the bound
-    assert (core.structured_outputs.num_compiled, core.structured_outputs.num_pending) == (3, 1)
+    # the slow compile held until the others are counted (a fixed sleep of 0.6 s ended before them once
+    # on a loaded CI machine: 4 compiled, none pending)
+    release = threading.Event()
+    slow_compiles(core.structured_outputs, {"slow": release})
+    try:
+        with pytest.raises(ValueError, match="did not compile within structured_output_compile_timeout_s=0.3 s"):
+            llm._compile_all([SamplingParams(structured_outputs=SO(choice=("slow", "no")))])
+        assert core.structured_outputs.num_pending == 1  # it runs on, holding one of the 2 places
+        params = [SamplingParams(structured_outputs=SO(choice=(f"yes{i}", f"no{i}"))) for i in range(3)]
+        grammars = llm._compile_all([SamplingParams()] + params)
+        assert grammars[0] is None and all(g is not None for g in grammars[1:])
+        # they went on beside the one still running (3 compiled, it still pending), never past the bound
+        assert (core.structured_outputs.num_compiled, core.structured_outputs.num_pending) == (3, 1)
+    finally:
+        release.set()
 
 
 def slow_backend_set_up(monkeypatch, seconds: float) -> None:
