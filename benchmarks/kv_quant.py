@@ -153,14 +153,21 @@ def bench_kv_quant(model: str, formats=FORMATS, block_size: int = 16, hf: bool =
                    **engine_kwargs) -> dict:
     formats = ("auto", *[f for f in formats if f != "auto"])
     report: dict = {"model": model, "formats": list(formats), "block_size": block_size, "engine": engine_kwargs}
+    workloads = {  # the accuracy and sources parts' prompts
+        "shared-system-prompt": shared_system_prompt(model, num_requests=accuracy_requests, output_len=output_len),
+        "multi-turn": multi_turn(model, num_users=max(1, accuracy_requests // turns), num_turns=turns,
+                                 output_len=output_len),
+    } if {"accuracy", "sources"} & set(parts) else {}
     if "accuracy" in parts:
-        workloads = {
-            "shared-system-prompt": shared_system_prompt(model, num_requests=accuracy_requests, output_len=output_len),
-            "multi-turn": multi_turn(model, num_users=max(1, accuracy_requests // turns), num_turns=turns,
-                                     output_len=output_len),
-        }
         report["accuracy"] = {name: accuracy(model, w, formats, block_size, hf, **engine_kwargs)
                               for name, w in workloads.items()}
+    if "sources" in parts:
+        from benchmarks.kv_quant_sources import error_sources, load_model
+
+        hf_model = load_model(model)
+        quantized = [f for f in formats if f != "auto"]
+        report["sources"] = {name: error_sources(hf_model, w.prompts, w.output_len, quantized)
+                             for name, w in workloads.items()}
     if "capacity" in parts:
         report["capacity"] = {"kv_bytes": int(kv_gib * 2**30), "seq_len": capacity_len,
                               "formats": capacity(model, formats, block_size, int(kv_gib * 2**30), capacity_len,
@@ -188,6 +195,11 @@ def format_kv_quant_report(report: dict) -> str:
                          f"{100 * e['greedy_agreement']:.2f}% | "
                          + " | ".join("-" if by[str(m)] is None else f"{100 * by[str(m)]:.2f}%" for m in MARGINS[1:])
                          + " |")
+    if "sources" in report:
+        from benchmarks.kv_quant_sources import format_sources
+
+        for name, src in report["sources"].items():
+            lines += format_sources(name, src)
     if "capacity" in report:
         cap = report["capacity"]
         lines += ["", f"capacity in {cap['kv_bytes'] / 2**30:.2f} GiB of KV ({cap['seq_len']}-token sequences)", "",
@@ -212,8 +224,10 @@ def format_kv_quant_report(report: dict) -> str:
 def add_bench_kv_quant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory or Hugging Face repo id (default: the llama `small` preset)")
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
-    parser.add_argument("--parts", nargs="+", choices=("accuracy", "capacity", "speed"),
-                        default=["accuracy", "capacity", "speed"])
+    parser.add_argument("--parts", nargs="+", choices=("accuracy", "sources", "capacity", "speed"),
+                        default=["accuracy", "capacity", "speed"],
+                        help="sources (not run unless named): the error of rounding keys only, values only, "
+                             "or keys turned by a Hadamard matrix, in transformers' own model")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers oracle")
     parser.add_argument("--accuracy-requests", type=int, default=16, help="prompts of each accuracy workload")
