@@ -476,6 +476,64 @@ __attribute__((noinline)) void fused_key_scores(const float* __restrict__ q, int
 }
 #endif
 
+// The few-rows path's scores against a tile of a float32 pool's keys: s[r * kKeyTile + j] = q_r . k_j
+// for rows <= kFusedRows query rows and the n key rows at kf, two keys at a time where both fit in the
+// vector registers beside their sums (KP = 2: head sizes up to half the registers), each key row loaded
+// once for all rows and each query vector once for both keys; then 16 keys' partial sums reduced into one
+// vector of scores. Every (row, key) product is summed in the order of the scratch path, so the scores
+// are the same bits. pf's next rows are asked for after each pair of keys.
+template <int DV>
+__attribute__((noinline)) void float_key_scores(const float* __restrict__ q, int rows, int nv,
+                                                const float* const* kf, int n, float* __restrict__ s,
+                                                TilePrefetch& pf) {
+  constexpr int KP = DV > 0 && 2 * DV + 4 <= kVectorRegisters ? 2 : 1;
+  if constexpr (DV > 0) nv = DV;
+  const int d = nv * W;
+  for (int j0 = 0; j0 < n; j0 += W) {
+    const int nj = std::min(W, n - j0);
+    vf part[kFusedRows][W];
+    int j = 0;
+    if constexpr (KP == 2) {
+      for (; j + 2 <= nj; j += 2) {
+        const float* ka = kf[j0 + j];
+        const float* kb = kf[j0 + j + 1];
+        vf a[DV], b[DV];
+        for (int c = 0; c < DV; ++c) {
+          a[c] = vload(ka + c * W);
+          b[c] = vload(kb + c * W);
+        }
+        for (int r = 0; r < rows; ++r) {
+          const float* qr = q + r * d;
+          const vf q0 = vload(qr);
+          vf ta = q0 * a[0], tb = q0 * b[0];
+          for (int c = 1; c < DV; ++c) {
+            const vf qc = vload(qr + c * W);
+            ta += qc * a[c];
+            tb += qc * b[c];
+          }
+          part[r][j] = ta;
+          part[r][j + 1] = tb;
+        }
+        pf.issue(2 * (j0 + j + 2));
+      }
+    }
+    for (; j < nj; ++j) {
+      const float* kj = kf[j0 + j];
+      for (int r = 0; r < rows; ++r) {
+        const float* qr = q + r * d;
+        vf t = vload(qr) * vload(kj);
+        for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * vload(kj + c * W);
+        part[r][j] = t;
+      }
+      pf.issue(2 * (j0 + j + 1));
+    }
+    for (int r = 0; r < rows; ++r) {
+      for (int jj = nj; jj < W; ++jj) part[r][jj] = vf{};
+      vstore(s + r * kKeyTile + j0, transpose_sum(part[r]));
+    }
+  }
+}
+
 // One work item: `num_tokens` query tokens (flat indices `tokens`, key limits `limits`, window
 // bounds `lowers`) and the query heads of KV head `kv_head` against keys [kv_begin, max limit) of
 // block table `table`.
@@ -699,6 +757,9 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
         fused_key_scores<DV>(q, rows, nv, kc, n, p.kv_format, s, pf);
       } else
 #endif
+      if (!quantized && rows <= kFusedRows) {  // float32 rows read in place (kf), or converted to the scratch
+        float_key_scores<DV>(q, rows, nv, kf, n, s, pf);
+      } else
       for (int j0 = 0; j0 < n; j0 += W) {
         const int nj = std::min(W, n - j0);
         for (int r = 0; r < rows; ++r) {
