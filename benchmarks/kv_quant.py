@@ -42,8 +42,8 @@ def _scored(llm: LLM, sequences: list[list[int]]) -> list[list[tuple[float, int,
     return scored
 
 
-def _hf_logprobs(model: str, sequences: list[list[int]]) -> list[list[float]]:
-    """transformers' log-softmax of each next token, the oracle (float32, eager attention)."""
+def load_hf(model: str, attn_implementation: str = "eager"):
+    """transformers' model in float32 (eager attention unless another registered one is named)."""
     import torch
 
     from workers.model_builder import without_triton
@@ -51,14 +51,29 @@ def _hf_logprobs(model: str, sequences: list[list[int]]) -> list[list[float]]:
     with without_triton():  # transformers' import would leave Triton's exit-time leak report on stderr
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
-    out = []
+        return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32,
+                                                    attn_implementation=attn_implementation).eval()
+
+
+def hf_log_softmax(hf, sequence: list[int]):
+    """The log-softmax over the vocabulary at each position of ``sequence`` but the last: [len - 1, vocab]."""
+    import torch
+
     with torch.no_grad():
-        for s in sequences:
-            logits = hf(torch.tensor([s])).logits[0, :-1].float()
-            lp = torch.log_softmax(logits, dim=-1)
-            out.append(lp.gather(1, torch.tensor(s[1:])[:, None])[:, 0].tolist())
-    return out
+        return torch.log_softmax(hf(torch.tensor([sequence])).logits[0, :-1].float(), dim=-1)
+
+
+def chosen(log_softmax, sequence: list[int]):
+    """Each next token's logprob: [len - 1]."""
+    import torch
+
+    return log_softmax.gather(1, torch.tensor(sequence[1:])[:, None])[:, 0]
+
+
+def _hf_logprobs(model: str, sequences: list[list[int]]) -> list[list[float]]:
+    """transformers' log-softmax of each next token, the oracle (float32, eager attention)."""
+    hf = load_hf(model)
+    return [chosen(hf_log_softmax(hf, s), s).tolist() for s in sequences]
 
 
 MARGINS = (0.0, 0.1, 0.5, 1.0)  # top-1 minus top-2 logprob of auto at a generated position

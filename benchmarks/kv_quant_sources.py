@@ -8,29 +8,35 @@ key norm, as the pool holds them. Each variant rounds a different part:
 - ``keys only`` / ``values only``: the other one kept exact, so each part's own share of the error shows;
 - ``keys rotated``: keys and values rounded, the keys first turned by a normalised Hadamard matrix (and back
   after rounding; ``q . k`` is unchanged by the turn itself). A fixed orthogonal turn spreads a key's few
-  large channels over all of them, which lowers the error of formats whose step follows the row's largest
-  value (int8); a float format's error is relative to each value, so the turn can only help where queries
-  and keys share outlier channels. Heads whose size is not a power of two have no such matrix here.
+  large channels over all of them: where keys have such outlier channels it lowers the error of formats
+  whose step follows the row's largest value (int8); a float format's error is relative to each value, so
+  there the turn can only help where queries and keys share outlier channels. Heads whose size is not a
+  power of two have no such matrix here, and the variant is reported as skipped.
+- ``none``: nothing rounded, the control: 100% agreement and no error, or the continuations and the scoring
+  disagree by themselves.
 
-Teacher forcing on transformers' greedy continuations of the workloads' prompts: every variant is scored on
-the same tokens; |Δ logprob| of the chosen token against the unrounded model at every position, and greedy
-agreement at the generated positions.
+Teacher forcing on transformers' greedy continuations of the workloads' prompts (an argmax of the same full
+forward that scores them, no KV cache and none of a checkpoint's generation settings): every variant is
+scored on the same tokens; |Δ logprob| of the chosen token against the unrounded model at every position,
+and greedy agreement at the generated positions.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from contextlib import contextmanager
 
 import torch
 
-from benchmarks.kv_quant import _stats
+from benchmarks.kv_quant import _stats, chosen, hf_log_softmax, load_hf
 from kernels.kv_quant import dequantize, quantize
 
-VARIANTS = ("keys and values", "keys only", "values only", "keys rotated")
+VARIANTS = ("keys and values", "keys only", "values only", "keys rotated", "none")
 ATTENTION_NAME = "kvserve_kv_rounding"
 
 
+@functools.lru_cache(maxsize=8)
 def hadamard(n: int) -> torch.Tensor:
     """The normalised Sylvester-Hadamard matrix of size ``n`` (a power of two): orthogonal and symmetric."""
     if n < 1 or n & (n - 1):
@@ -52,62 +58,60 @@ def rounded(x: torch.Tensor, fmt: str, turn: torch.Tensor | None = None) -> torc
 class _Rounding:
     """The attention function's setting: the format (None: exact) and the variant."""
     fmt: str | None = None
-    variant: str = VARIANTS[0]
+    variant: str = "none"
+
+
+def _eager(module):
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
-    eager = sys.modules[type(module).__module__].eager_attention_forward
     fmt, variant = _Rounding.fmt, _Rounding.variant
-    if fmt is not None:
+    if fmt is not None and variant != "none":
         if variant != "values only":
             key = rounded(key, fmt, hadamard(key.shape[-1]) if variant == "keys rotated" else None)
         if variant != "keys only":
             value = rounded(value, fmt)
-    return eager(module, query, key, value, attention_mask, **kwargs)
+    return _eager(module)(module, query, key, value, attention_mask, **kwargs)
 
 
 @contextmanager
-def rounding(fmt: str | None, variant: str = VARIANTS[0]):
+def rounding(fmt: str | None, variant: str = "keys and values"):
+    before = _Rounding.fmt, _Rounding.variant
     _Rounding.fmt, _Rounding.variant = fmt, variant
     try:
         yield
     finally:
-        _Rounding.fmt, _Rounding.variant = None, VARIANTS[0]
+        _Rounding.fmt, _Rounding.variant = before
 
 
 def load_model(model: str):
     """Transformers' model in float32 with the rounding attention (its own eager attention inside)."""
-    from transformers import AttentionInterface
-
     from workers.model_builder import without_triton
 
     with without_triton():  # transformers' import would leave Triton's exit-time leak report on stderr
-        from transformers import AutoModelForCausalLM
-
+        from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-        AttentionInterface.register(ATTENTION_NAME, _attention)
-        # transformers builds no mask at all for an attention name it has no mask function for
-        AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation=ATTENTION_NAME)
-    hf.eval()
-    if not hasattr(sys.modules[type(hf).__module__], "eager_attention_forward"):
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+    # transformers builds no mask at all for an attention name it has no mask function for
+    AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+    hf = load_hf(model, attn_implementation=ATTENTION_NAME)
+    attention = [m for m in hf.modules() if type(m).__name__.endswith("Attention")]
+    if not attention or any(_eager(m) is None for m in attention):
         raise ValueError(f"{type(hf).__name__} has no eager attention function to round the keys and values in")
     return hf
 
 
-@torch.no_grad()
-def _log_softmax(hf, sequence: list[int]) -> torch.Tensor:
-    return torch.log_softmax(hf(torch.tensor([sequence])).logits[0, :-1].float(), dim=-1)
-
-
-@torch.no_grad()
 def greedy_sequences(hf, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    """Each prompt and its ``output_len`` argmax tokens, each from a full forward of what came before."""
     out = []
     for prompt in prompts:
-        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=output_len, min_new_tokens=output_len,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(ids[0].tolist())
+        s = list(prompt)
+        for _ in range(output_len):
+            with torch.no_grad():
+                s.append(int(hf(torch.tensor([s])).logits[0, -1].argmax()))
+        out.append(s)
     return out
 
 
@@ -115,23 +119,22 @@ def error_sources(hf, prompts: list[list[int]], output_len: int, formats) -> dic
     """Each format's variants scored on transformers' greedy continuations of ``prompts``."""
     with rounding(None):
         sequences = greedy_sequences(hf, prompts, output_len)
-        exact = [_log_softmax(hf, s) for s in sequences]
-    chosen = [lp.gather(1, torch.tensor(s[1:])[:, None])[:, 0] for lp, s in zip(exact, sequences)]
+        exact = [chosen(hf_log_softmax(hf, s), s) for s in sequences]
+    config = hf.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     report = {"sequences": len(sequences), "generated_positions": sum(len(s) - len(p) for s, p in zip(sequences, prompts)),
               "formats": {}}
     for fmt in formats:
         report["formats"][fmt] = {}
         for variant in VARIANTS:
-            try:
-                with rounding(fmt, variant):
-                    scored = [_log_softmax(hf, s) for s in sequences]
-            except ValueError as e:  # no Hadamard matrix for this head size
-                report["formats"][fmt][variant] = {"skipped": str(e)}
+            if variant == "keys rotated" and head_dim & (head_dim - 1):
+                report["formats"][fmt][variant] = {"skipped": f"no Hadamard matrix of size {head_dim}"}
                 continue
             deltas, agree = [], []
-            for lp, base, s, p in zip(scored, chosen, sequences, prompts):
-                mine = lp.gather(1, torch.tensor(s[1:])[:, None])[:, 0]
-                deltas += (mine - base).abs().tolist()
+            for s, p, base in zip(sequences, prompts, exact):
+                with rounding(fmt, variant):
+                    lp = hf_log_softmax(hf, s)
+                deltas += (chosen(lp, s) - base).abs().tolist()
                 agree += (lp[len(p) - 1:].argmax(dim=-1) == torch.tensor(s[len(p):])).tolist()
             report["formats"][fmt][variant] = {"delta_logprob": _stats(deltas),
                                                "greedy_agreement": sum(agree) / max(len(agree), 1)}
@@ -139,7 +142,7 @@ def error_sources(hf, prompts: list[list[int]], output_len: int, formats) -> dic
 
 
 def format_sources(name: str, report: dict) -> list[str]:
-    lines = ["", f"error sources, {name} (transformers, teacher-forced on its greedy continuations): "
+    lines = ["", f"error sources, {name} (transformers, teacher-forced on its own greedy continuations): "
              f"{report['sequences']} sequences, {report['generated_positions']} generated positions", "",
              "| format | rounded | |Δ logprob| mean / p99 / max | greedy agreement |", "|---|---|---|---:|"]
     for fmt, variants in report["formats"].items():

@@ -476,12 +476,13 @@ __attribute__((noinline)) void fused_key_scores(const float* __restrict__ q, int
 }
 #endif
 
-// The few-rows path's scores against a tile of a float32 pool's keys: s[r * kKeyTile + j] = q_r . k_j
-// for rows <= kFusedRows query rows and the n key rows at kf, two keys at a time where both fit in the
-// vector registers beside their sums (KP = 2: head sizes up to half the registers), each key row loaded
-// once for all rows and each query vector once for both keys; then 16 keys' partial sums reduced into one
-// vector of scores. Every (row, key) product is summed in the order of the scratch path, so the scores
-// are the same bits. pf's next rows are asked for after each pair of keys.
+// The few-rows path's scores against a tile of float key rows: s[r * kKeyTile + j] = q_r . k_j for
+// rows <= kFusedRows query rows and the n key rows at kf (a float32 pool's, read in place; a half type's,
+// or a quantized pool's where its rows are not converted in registers, in the scratch). Two keys at a
+// time where both fit in the vector registers beside their sums (KP = 2), each key row loaded once for
+// all rows and each query vector once for both keys; then 16 keys' partial sums reduced into one vector
+// of scores. Every (row, key) product is summed in the order of the scratch path, so the scores are the
+// same bits. pf's next rows are asked for after each pair of keys.
 template <int DV>
 __attribute__((noinline)) void float_key_scores(const float* __restrict__ q, int rows, int nv,
                                                 const float* const* kf, int n, float* __restrict__ s,
@@ -757,7 +758,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
         fused_key_scores<DV>(q, rows, nv, kc, n, p.kv_format, s, pf);
       } else
 #endif
-      if (!quantized && rows <= kFusedRows) {  // float32 rows read in place (kf), or converted to the scratch
+      if (!fused_keys && rows <= kFusedRows) {  // float32 rows read in place (kf), or converted to the scratch
         float_key_scores<DV>(q, rows, nv, kf, n, s, pf);
       } else
       for (int j0 = 0; j0 < n; j0 += W) {

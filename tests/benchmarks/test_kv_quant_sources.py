@@ -35,20 +35,26 @@ def test_the_turn_spreads_an_outlier_channel_for_int8():
     assert turned < 0.3 * plain
 
 
-def test_sources_agree_with_the_engine_and_name_each_part(model_dirs):
+def test_the_sources_part_rounds_each_half_and_its_control_nothing(model_dirs):
     model = model_dirs["llama"]
     report = bench_kv_quant(model, formats=("auto", "int8", "fp8_e4m3"), block_size=16, accuracy_requests=4,
-                            output_len=4, turns=2, parts=("sources",), attention_backend="torch")
+                            output_len=4, turns=2, parts=("sources",))
     assert set(report) >= {"sources"} and "accuracy" not in report and "capacity" not in report
     for name, src in report["sources"].items():
         assert (src["sequences"], src["generated_positions"]) == (4, 16), name
         assert set(src["formats"]) == {"int8", "fp8_e4m3"}
         for fmt, variants in src["formats"].items():
             assert tuple(variants) == VARIANTS
-            for variant, e in variants.items():
-                d = e["delta_logprob"]
+            # the control: the continuations are the unrounded model's own argmax of the same forward
+            assert variants["none"]["greedy_agreement"] == 1.0
+            assert variants["none"]["delta_logprob"]["max"] == 0.0
+            for variant in VARIANTS[:-1]:
+                d = variants[variant]["delta_logprob"]
                 assert 0.0 < d["mean"] <= d["p99"] <= d["max"] < 0.5, (name, fmt, variant)
-                assert 0.0 <= e["greedy_agreement"] <= 1.0
+            # each half alone is a part of the whole error, not all of it
+            both = variants["keys and values"]["delta_logprob"]["mean"]
+            assert variants["keys only"]["delta_logprob"]["mean"] < both
+            assert variants["values only"]["delta_logprob"]["mean"] < both
         # fp8_e4m3's three mantissa bits against int8's 127 steps: the larger error, both rounded
         both = {fmt: src["formats"][fmt]["keys and values"]["delta_logprob"]["mean"] for fmt in ("int8", "fp8_e4m3")}
         assert both["fp8_e4m3"] > both["int8"], name
@@ -56,9 +62,12 @@ def test_sources_agree_with_the_engine_and_name_each_part(model_dirs):
     assert "| fp8_e4m3 | keys rotated |" in text and "| int8 | values only |" in text
 
 
-def test_rounding_keys_and_values_is_what_the_engine_does(model_dirs):
-    """The variant that rounds both is the engine's quantized pool: the same logprobs, teacher-forced."""
-    from benchmarks.kv_quant_sources import _log_softmax, load_model, rounding
+@pytest.mark.parametrize("backend", ("torch", "cpu"))
+def test_rounding_keys_and_values_is_what_the_engine_does(model_dirs, backend):
+    """The variant that rounds both is the engine's quantized pool, on the plain-torch backend and the
+    compiled one: the same logprobs, teacher-forced."""
+    from benchmarks.kv_quant import chosen, hf_log_softmax
+    from benchmarks.kv_quant_sources import load_model, rounding
 
     model = model_dirs["llama"]
     hf = load_model(model)
@@ -66,16 +75,24 @@ def test_rounding_keys_and_values_is_what_the_engine_does(model_dirs):
     sequences = [[1, *torch.randint(3, 200, (n,), generator=g).tolist()] for n in (40, 77)]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
     for fmt in ("int8", "fp8_e4m3"):
-        with LLM(model=model, kv_cache_dtype=fmt, attention_backend="torch", enable_prefix_caching=False) as llm:
+        with LLM(model=model, kv_cache_dtype=fmt, attention_backend=backend, enable_prefix_caching=False) as llm:
+            assert llm.stats()["attention_backend"] == backend
             outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params)
         worst = exact_worst = 0.0
         for s, out in zip(sequences, outs):
             with rounding(fmt):
-                lp = _log_softmax(hf, s)
+                lp = chosen(hf_log_softmax(hf, s), s)
             with rounding(None):
-                exact = _log_softmax(hf, s)
-            for pos in range(1, len(s)):
-                mine = out.prompt_logprobs[pos][s[pos]][0]
-                worst = max(worst, abs(mine - float(lp[pos - 1, s[pos]])))
-                exact_worst = max(exact_worst, abs(mine - float(exact[pos - 1, s[pos]])))
+                exact = chosen(hf_log_softmax(hf, s), s)
+            mine = torch.tensor([out.prompt_logprobs[pos][s[pos]][0] for pos in range(1, len(s))])
+            worst = max(worst, float((mine - lp).abs().max()))
+            exact_worst = max(exact_worst, float((mine - exact).abs().max()))
         assert worst < 1e-4 < exact_worst, (fmt, worst, exact_worst)
+
+
+def test_a_model_without_an_eager_attention_function_is_refused(monkeypatch, model_dirs):
+    import benchmarks.kv_quant_sources as sources
+
+    monkeypatch.setattr(sources, "_eager", lambda module: None)
+    with pytest.raises(ValueError, match="no eager attention function"):
+        sources.load_model(model_dirs["llama"])

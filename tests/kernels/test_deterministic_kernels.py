@@ -72,7 +72,10 @@ def attend(pool_k, pool_v, block_size, specs, tables, queries, keys, values, det
                            1 / math.sqrt(queries[0].shape[-1]))
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (8, 2, 64), (4, 4, 32), (8, 1, 64)])
+# head sizes 128 and 80 too: a decode's scores take two keys at a time where both rows fit in the registers
+# (float_key_scores), a prefill's rows the general loop, in the same order
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (8, 2, 64), (4, 4, 32), (8, 1, 64), (4, 1, 128),
+                                                     (6, 2, 80)])
 def test_fixed_order_attention_decode_equals_prefill(heads, kv_heads, head_dim):
     """One sequence of 75 tokens computed as one prefill, in chunks of 7, and token by token as
     decodes, each beside other sequences: every token's output is the same to the bit in fixed
