@@ -12,8 +12,10 @@ key norm, as the pool holds them. Each variant rounds a different part:
   whose step follows the row's largest value (int8); a float format's error is relative to each value, so
   there the turn can only help where queries and keys share outlier channels. Heads whose size is not a
   power of two have no such matrix here, and the variant is reported as skipped.
-- ``none``: nothing rounded, the control: 100% agreement and no error, or the continuations and the scoring
-  disagree by themselves.
+
+The control (``control_agreement``, from the unrounded forward every variant is compared with): the share of
+generated positions where that forward's argmax is the continuation's token, 100% unless the continuations
+and the scoring disagree by themselves.
 
 Teacher forcing on transformers' greedy continuations of the workloads' prompts (an argmax of the same full
 forward that scores them, no KV cache and none of a checkpoint's generation settings): every variant is
@@ -32,7 +34,7 @@ import torch
 from benchmarks.kv_quant import _stats, chosen, hf_log_softmax, load_hf
 from kernels.kv_quant import dequantize, quantize
 
-VARIANTS = ("keys and values", "keys only", "values only", "keys rotated", "none")
+VARIANTS = ("keys and values", "keys only", "values only", "keys rotated")
 ATTENTION_NAME = "kvserve_kv_rounding"
 
 
@@ -58,7 +60,7 @@ def rounded(x: torch.Tensor, fmt: str, turn: torch.Tensor | None = None) -> torc
 class _Rounding:
     """The attention function's setting: the format (None: exact) and the variant."""
     fmt: str | None = None
-    variant: str = "none"
+    variant: str = VARIANTS[0]
 
 
 def _eager(module):
@@ -67,7 +69,7 @@ def _eager(module):
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
     fmt, variant = _Rounding.fmt, _Rounding.variant
-    if fmt is not None and variant != "none":
+    if fmt is not None:
         if variant != "values only":
             key = rounded(key, fmt, hadamard(key.shape[-1]) if variant == "keys rotated" else None)
         if variant != "keys only":
@@ -117,13 +119,18 @@ def greedy_sequences(hf, prompts: list[list[int]], output_len: int) -> list[list
 
 def error_sources(hf, prompts: list[list[int]], output_len: int, formats) -> dict:
     """Each format's variants scored on transformers' greedy continuations of ``prompts``."""
+    def agreement(lp, s, p) -> list[bool]:  # at the generated positions: the argmax is the token
+        return (lp[len(p) - 1:].argmax(dim=-1) == torch.tensor(s[len(p):])).tolist()
+
     with rounding(None):
         sequences = greedy_sequences(hf, prompts, output_len)
-        exact = [chosen(hf_log_softmax(hf, s), s) for s in sequences]
+        unrounded = [hf_log_softmax(hf, s) for s in sequences]
+    exact = [chosen(lp, s) for lp, s in zip(unrounded, sequences)]
+    control = [a for lp, s, p in zip(unrounded, sequences, prompts) for a in agreement(lp, s, p)]
     config = hf.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     report = {"sequences": len(sequences), "generated_positions": sum(len(s) - len(p) for s, p in zip(sequences, prompts)),
-              "formats": {}}
+              "control_agreement": sum(control) / max(len(control), 1), "formats": {}}
     for fmt in formats:
         report["formats"][fmt] = {}
         for variant in VARIANTS:
@@ -135,7 +142,7 @@ def error_sources(hf, prompts: list[list[int]], output_len: int, formats) -> dic
                 with rounding(fmt, variant):
                     lp = hf_log_softmax(hf, s)
                 deltas += (chosen(lp, s) - base).abs().tolist()
-                agree += (lp[len(p) - 1:].argmax(dim=-1) == torch.tensor(s[len(p):])).tolist()
+                agree += agreement(lp, s, p)
             report["formats"][fmt][variant] = {"delta_logprob": _stats(deltas),
                                                "greedy_agreement": sum(agree) / max(len(agree), 1)}
     return report
@@ -143,7 +150,8 @@ def error_sources(hf, prompts: list[list[int]], output_len: int, formats) -> dic
 
 def format_sources(name: str, report: dict) -> list[str]:
     lines = ["", f"error sources, {name} (transformers, teacher-forced on its own greedy continuations): "
-             f"{report['sequences']} sequences, {report['generated_positions']} generated positions", "",
+             f"{report['sequences']} sequences, {report['generated_positions']} generated positions; the unrounded "
+             f"model's own agreement {100 * report['control_agreement']:.2f}%", "",
              "| format | rounded | |Δ logprob| mean / p99 / max | greedy agreement |", "|---|---|---|---:|"]
     for fmt, variants in report["formats"].items():
         for variant, e in variants.items():

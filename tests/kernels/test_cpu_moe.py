@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from kernels.cpu.layer_ops import lay_out_expert_weight
 from kernels.torch_moe import moe_experts, select_experts
-from tests.compiled import cpu_backend_or_skip
-from tests.kernels.test_cpu_envelope import threads
+from tests.compiled import cpu_backend_or_skip, threads
 
 OPS = cpu_backend_or_skip().layer_ops
 THREADS = (1, 2, 3, 4, 8)
