@@ -476,6 +476,15 @@ __attribute__((noinline)) void fused_key_scores(const float* __restrict__ q, int
 }
 #endif
 
+// The per-lane products of query row qr and key row kj over nv vectors, summed in the one order every
+// score path of a float32 (or converted) key row uses: the few-rows path (float_key_scores, one key at
+// a time) and the many-rows path of attend run it, and the two-keys loop sums in the same order.
+inline vf key_products(const float* qr, const float* kj, int nv) {
+  vf t = vload(qr) * vload(kj);
+  for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * vload(kj + c * W);
+  return t;
+}
+
 // The few-rows path's scores against a tile of float key rows: s[r * kKeyTile + j] = q_r . k_j for
 // rows <= kFusedRows query rows and the n key rows at kf (a float32 pool's, read in place; a half type's,
 // or a quantized pool's where its rows are not converted in registers, in the scratch). Two keys at a
@@ -520,12 +529,7 @@ __attribute__((noinline)) void float_key_scores(const float* __restrict__ q, int
     }
     for (; j < nj; ++j) {
       const float* kj = kf[j0 + j];
-      for (int r = 0; r < rows; ++r) {
-        const float* qr = q + r * d;
-        vf t = vload(qr) * vload(kj);
-        for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * vload(kj + c * W);
-        part[r][j] = t;
-      }
+      for (int r = 0; r < rows; ++r) part[r][j] = key_products(q + r * d, kj, nv);
       pf.issue(2 * (j0 + j + 1));
     }
     for (int r = 0; r < rows; ++r) {
@@ -767,10 +771,7 @@ void attend(const Problem<scalar_t>& p, int kv_head, const int32_t* tokens, cons
           const float* qr = q + r * d;
           vf part[W];
           for (int j = 0; j < nj; ++j) {
-            const float* kj = kf[j0 + j];
-            vf t = vload(qr) * vload(kj);
-            for (int c = 1; c < nv; ++c) t += vload(qr + c * W) * vload(kj + c * W);
-            part[j] = t;
+            part[j] = key_products(qr, kf[j0 + j], nv);
             if (r == 0) pf.issue(2 * (j0 + j + 1));
           }
           for (int j = nj; j < W; ++j) part[j] = vf{};
