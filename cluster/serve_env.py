@@ -24,6 +24,11 @@
   proxy that took over 15 s to start (a 2-core node busy with a test run's other servers) ended `serve
   run` with exit status 1 before the app was deployed; now it may take up to those 60 s.
 
+- A HAProxy left by an app that is gone (``stale_haproxies``: its parent no longer a Ray worker, after
+  a cluster whose processes were signalled together) holds that app's HTTP port, so the next app's
+  HAProxy could not bind it: it is stopped before a local cluster starts here (``effective_serve_env``
+  with ``set_here``, and ``python -m cluster.serve_env`` for `make serve`).
+
 Measured under vLLM's serving client (shared prefix, concurrency 48, 192 prompts, 2 cores): the proxy,
 Ingress and LLMServer used 8.4 CPU-seconds with Serve's defaults, 7.5 with the first two, the proxy 3.6
 -> 1.8 with the third (output tok/s 472 -> 533). HAProxy's figures: docs/benchmarks.md. An
@@ -128,6 +133,84 @@ def cluster_env() -> dict[str, str]:
     return {**CLUSTER_ENV, **{key: str(free_port()) for key in HAPROXY_PORTS}, **NODE_ENV}
 
 
+HAPROXY_CONFIG_DIR = "haproxy-serve"  # in the path of the config file Serve writes for its HAProxy
+
+
+def _cmdline(pid: int | str) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [arg.decode(errors="replace") for arg in f.read().split(b"\0") if arg]
+    except OSError:
+        return []
+
+
+def _parent_and_uid(pid: int) -> tuple[int, int] | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["PPid"]), int(fields["Uid"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def stale_haproxies(proc: str = "/proc") -> list[int]:
+    """This user's HAProxy processes that a Serve app started (their config file lies in Serve's
+    ``haproxy-serve`` directory, or where ``RAY_SERVE_HAPROXY_CONFIG_FILE_LOC`` puts it) and that
+    outlived it: their parent is no longer a Ray worker (Serve's HAProxyManager actor), so nothing will
+    stop them. Such a process is left where the cluster died at once (its processes signalled together,
+    e.g. as a process group, or killed): it keeps the app's HTTP port, and the next app's HAProxy cannot
+    bind it (Serve starts HAProxy without SO_REUSEPORT): that app's start fails while the old one
+    answers 404 for the routes that are gone. Linux only (empty elsewhere)."""
+    if not os.path.isdir(proc):
+        return []
+    config_dir = os.path.dirname(os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", ""))
+    found = []
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        args = _cmdline(entry)
+        if not args or os.path.basename(args[0]) != "haproxy" or "-f" not in args[:-1]:
+            continue
+        config = args[args.index("-f") + 1]
+        if f"/{HAPROXY_CONFIG_DIR}/" not in config and not (config_dir and config.startswith(config_dir + "/")):
+            continue
+        owner = _parent_and_uid(int(entry))
+        if owner is None or owner[1] != os.getuid():
+            continue
+        parent = _cmdline(owner[0])
+        if parent and parent[0].startswith("ray::"):
+            continue  # a live app's HAProxyManager still runs it
+        found.append(int(entry))
+    return sorted(found)
+
+
+def stop_stale_haproxies(wait_s: float = 5.0) -> list[int]:
+    """Stop every ``stale_haproxies`` process (SIGTERM, then SIGKILL after ``wait_s``), saying so on
+    stderr in one line; returns their pids. Called before a local cluster starts here."""
+    import signal
+    import time
+
+    pids = stale_haproxies()
+    if not pids:
+        return []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and _parent_and_uid(pid) for pid in pids):
+        time.sleep(0.05)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    print(f"kvserve: stopped HAProxy {', '.join(map(str, pids))}, left running by a Serve app that is gone "
+          "(it held that app's HTTP port)", file=sys.stderr, flush=True)
+    return pids
+
+
 def effective_serve_env(set_here: bool) -> dict[str, str]:
     """The replicas' settings as this environment has them (a value it sets wins over the default),
     for the deployments' runtime_env. With ``set_here`` (before Ray starts in this process) these and
@@ -136,12 +219,17 @@ def effective_serve_env(set_here: bool) -> dict[str, str]:
     if set_here:
         for key, value in {**SERVE_ENV, **cluster_env()}.items():
             os.environ.setdefault(key, value)
+        if os.environ.get(HA_PROXY) == "1":
+            stop_stale_haproxies()
     return {key: os.environ.get(key, value) for key, value in SERVE_ENV.items()}
 
 
 def main() -> None:
-    """Every setting a local cluster started with these words gets (the environment's own win)."""
+    """Every setting a local cluster started with these words gets (the environment's own win); a
+    HAProxy a gone app left holding its port is stopped first."""
     settings = {**SERVE_ENV, **cluster_env()}
+    if os.environ.get(HA_PROXY, settings[HA_PROXY]) == "1":
+        stop_stale_haproxies()
     print(" ".join(f"{key}={os.environ.get(key, value)}" for key, value in settings.items()))
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import ray
 
@@ -204,3 +206,76 @@ def test_free_ports_lie_between_rays_worker_ports_and_the_ephemeral_range(monkey
     # a kernel whose ephemeral range leaves no room below it: still above Ray's worker ports
     monkeypatch.setattr(serve_env, "_ephemeral_ports", lambda: (1024, 65535))
     assert all(serve_env.RAY_WORKER_PORTS_END < serve_env.free_port() < 65536 for _ in range(20))
+
+
+FAKE_HAPROXY = """
+import os, sys, time
+config, python = sys.argv[1], sys.argv[3]
+def haproxy():  # a process whose command line is HAProxy's as Serve starts it
+    os.execv(python, ["/opt/fake/bin/haproxy", "-c", "import time; time.sleep(300)", "-db", "-f", config])
+pid = os.fork()
+if pid == 0:
+    haproxy()
+print(pid, flush=True)
+if sys.argv[2] == "stay":  # its parent lives on, as Serve's HAProxyManager actor does
+    time.sleep(300)
+"""
+
+
+def spawn_haproxy(config: str, parent_stays: bool) -> tuple[int, subprocess.Popen]:
+    """A fake HAProxy started with ``config``; its parent, named as a Ray worker, stays or exits at once
+    (the HAProxy then outlives it, as when a cluster dies with its processes signalled together)."""
+    argv0 = "ray::HAProxyManager" if parent_stays else "python"
+    parent = subprocess.Popen([argv0, "-c", FAKE_HAPROXY, config, "stay" if parent_stays else "go", sys.executable],
+                              executable=sys.executable, stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    if not parent_stays:
+        parent.wait(30)
+    return pid, parent
+
+
+def test_a_haproxy_left_by_a_gone_app_is_stopped_before_a_local_cluster_starts(tmp_path, capsys):
+    """Its parent gone, an HAProxy of a Serve app keeps the app's HTTP port and nothing stops it: the next
+    local cluster's start stops it (SIGTERM) and says so; one whose parent (a Ray worker) still runs, and
+    an HAProxy of anything else, are left alone."""
+    from cluster.serve_env import stale_haproxies, stop_stale_haproxies
+
+    orphan, _ = spawn_haproxy(str(tmp_path / "haproxy-serve" / "a1" / "haproxy.cfg"), parent_stays=False)
+    live, live_parent = spawn_haproxy(str(tmp_path / "haproxy-serve" / "b2" / "haproxy.cfg"), parent_stays=True)
+    other, _ = spawn_haproxy(str(tmp_path / "elsewhere" / "haproxy.cfg"), parent_stays=False)
+    try:
+        deadline = time.monotonic() + 10
+        while not all(_cmdline(pid).startswith(b"/opt/fake/bin/haproxy") for pid in (orphan, live, other)):
+            assert time.monotonic() < deadline, "the fake HAProxy processes did not start"
+            time.sleep(0.05)
+        found = stale_haproxies()
+        assert orphan in found and live not in found and other not in found
+        assert orphan in stop_stale_haproxies(wait_s=10)
+        assert "stopped HAProxy" in capsys.readouterr().err
+        assert orphan not in stale_haproxies() and _gone(orphan)
+        assert not _gone(live) and not _gone(other)
+    finally:
+        for pid in (orphan, live, other):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        live_parent.kill()
+        live_parent.wait()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: its parent, init or the test, has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
