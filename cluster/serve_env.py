@@ -24,10 +24,11 @@
   proxy that took over 15 s to start (a 2-core node busy with a test run's other servers) ended `serve
   run` with exit status 1 before the app was deployed; now it may take up to those 60 s.
 
-- A HAProxy left by an app that is gone (``stale_haproxies``: its parent no longer a Ray worker, after
+- An HAProxy left by an app that is gone (``stale_haproxies``: its parent no longer a Ray worker, after
   a cluster whose processes were signalled together) holds that app's HTTP port, so the next app's
-  HAProxy could not bind it: it is stopped before a local cluster starts here (``effective_serve_env``
-  with ``set_here``, and ``python -m cluster.serve_env`` for `make serve`).
+  HAProxy could not bind it: it is stopped where this process sets up a local cluster's settings with
+  HAProxy on (``effective_serve_env`` with ``set_here``, and ``python -m cluster.serve_env`` for `make
+  serve`).
 
 Measured under vLLM's serving client (shared prefix, concurrency 48, 192 prompts, 2 cores): the proxy,
 Ingress and LLMServer used 8.4 CPU-seconds with Serve's defaults, 7.5 with the first two, the proxy 3.6
@@ -133,10 +134,22 @@ def cluster_env() -> dict[str, str]:
     return {**CLUSTER_ENV, **{key: str(free_port()) for key in HAPROXY_PORTS}, **NODE_ENV}
 
 
-HAPROXY_CONFIG_DIR = "haproxy-serve"  # in the path of the config file Serve writes for its HAProxy
+# where Serve writes its HAProxy's config: dirname(this)/<node id>/basename(this)
+HAPROXY_CONFIG_LOC = ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "/tmp/haproxy-serve/haproxy.cfg")
 
 
-def _cmdline(pid: int | str) -> list[str]:
+def serve_haproxy_config(path: str, loc: str | None = None) -> bool:
+    """Whether ``path`` is a config file Serve writes for its HAProxy: ``dirname(loc)/<node id>/
+    basename(loc)``, the node id in hex (``loc``: ``RAY_SERVE_HAPROXY_CONFIG_FILE_LOC`` as Serve reads
+    it, /tmp/haproxy-serve/haproxy.cfg by default)."""
+    loc = loc if loc is not None else os.environ.get(*HAPROXY_CONFIG_LOC)
+    parent, name = os.path.split(os.path.normpath(path))
+    root, node = os.path.split(parent)
+    return (name == os.path.basename(loc) and root == os.path.dirname(os.path.normpath(loc)) and len(node) >= 16
+            and all(c in "0123456789abcdef" for c in node))
+
+
+def _cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return [arg.decode(errors="replace") for arg in f.read().split(b"\0") if arg]
@@ -144,71 +157,81 @@ def _cmdline(pid: int | str) -> list[str]:
         return []
 
 
-def _parent_and_uid(pid: int) -> tuple[int, int] | None:
+def _status(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, real uid) of a process; None where it is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["PPid"]), int(fields["Uid"].split()[0])
-    except (OSError, KeyError, ValueError):
+        return fields["State"].split()[0], int(fields["PPid"]), int(fields["Uid"].split()[0])
+    except (OSError, KeyError, ValueError, IndexError):
         return None
 
 
-def stale_haproxies(proc: str = "/proc") -> list[int]:
-    """This user's HAProxy processes that a Serve app started (their config file lies in Serve's
-    ``haproxy-serve`` directory, or where ``RAY_SERVE_HAPROXY_CONFIG_FILE_LOC`` puts it) and that
-    outlived it: their parent is no longer a Ray worker (Serve's HAProxyManager actor), so nothing will
-    stop them. Such a process is left where the cluster died at once (its processes signalled together,
-    e.g. as a process group, or killed): it keeps the app's HTTP port, and the next app's HAProxy cannot
-    bind it (Serve starts HAProxy without SO_REUSEPORT): that app's start fails while the old one
-    answers 404 for the routes that are gone. Linux only (empty elsewhere)."""
-    if not os.path.isdir(proc):
-        return []
-    config_dir = os.path.dirname(os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", ""))
-    found = []
-    for entry in os.listdir(proc):
+def _running(pid: int, args: list[str]) -> bool:
+    """Whether ``pid`` still runs with the command line ``args`` (not exited, not a zombie nobody reaped,
+    not another process that got the pid since)."""
+    status = _status(pid)
+    return status is not None and status[0] != "Z" and _cmdline(pid) == args
+
+
+def stale_haproxies() -> dict[int, list[str]]:
+    """pid -> command line of this user's HAProxy processes (the executable named ``haproxy``) that a
+    Serve app started (their config is one ``serve_haproxy_config`` names) and that outlived it: their
+    parent is no longer a Ray worker (Serve's HAProxyManager actor), so nothing will stop them. Such a
+    process is left where the cluster died at once (its processes signalled together, e.g. as a
+    process group): it keeps the app's HTTP port, and the next app's HAProxy cannot bind it (Serve
+    starts HAProxy without SO_REUSEPORT): that app's start fails while the old one answers 404 for the
+    routes that are gone. Linux only (empty elsewhere)."""
+    if not os.path.isdir("/proc"):
+        return {}
+    found = {}
+    for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        args = _cmdline(entry)
+        pid = int(entry)
+        args = _cmdline(pid)
         if not args or os.path.basename(args[0]) != "haproxy" or "-f" not in args[:-1]:
             continue
-        config = args[args.index("-f") + 1]
-        if f"/{HAPROXY_CONFIG_DIR}/" not in config and not (config_dir and config.startswith(config_dir + "/")):
+        if not serve_haproxy_config(args[args.index("-f") + 1]):
             continue
-        owner = _parent_and_uid(int(entry))
-        if owner is None or owner[1] != os.getuid():
+        status = _status(pid)
+        if status is None or status[0] == "Z" or status[2] != os.getuid():
             continue
-        parent = _cmdline(owner[0])
+        parent = _cmdline(status[1])
         if parent and parent[0].startswith("ray::"):
             continue  # a live app's HAProxyManager still runs it
-        found.append(int(entry))
-    return sorted(found)
+        found[pid] = args
+    return dict(sorted(found.items()))
 
 
 def stop_stale_haproxies(wait_s: float = 5.0) -> list[int]:
-    """Stop every ``stale_haproxies`` process (SIGTERM, then SIGKILL after ``wait_s``), saying so on
-    stderr in one line; returns their pids. Called before a local cluster starts here."""
+    """Stop every ``stale_haproxies`` process: SIGTERM, then SIGKILL to those still running it after
+    ``wait_s``; says so on stderr in one line; returns their pids. Run where this process sets up a
+    local cluster's settings with HAProxy on (``effective_serve_env``, ``main``)."""
     import signal
     import time
 
-    pids = stale_haproxies()
-    if not pids:
+    stale = stale_haproxies()
+    if not stale:
         return []
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
+    for pid, args in stale.items():
+        if _running(pid, args):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and _parent_and_uid(pid) for pid in pids):
+    while time.monotonic() < deadline and any(_running(pid, args) for pid, args in stale.items()):
         time.sleep(0.05)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    print(f"kvserve: stopped HAProxy {', '.join(map(str, pids))}, left running by a Serve app that is gone "
+    for pid, args in stale.items():
+        if _running(pid, args):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    print(f"kvserve: stopped HAProxy {', '.join(map(str, stale))}, left running by a Serve app that is gone "
           "(it held that app's HTTP port)", file=sys.stderr, flush=True)
-    return pids
+    return list(stale)
 
 
 def effective_serve_env(set_here: bool) -> dict[str, str]:

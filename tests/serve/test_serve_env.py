@@ -208,6 +208,7 @@ def test_free_ports_lie_between_rays_worker_ports_and_the_ephemeral_range(monkey
     assert all(serve_env.RAY_WORKER_PORTS_END < serve_env.free_port() < 65536 for _ in range(20))
 
 
+
 FAKE_HAPROXY = """
 import os, sys, time
 config, python = sys.argv[1], sys.argv[3]
@@ -220,48 +221,95 @@ print(pid, flush=True)
 if sys.argv[2] == "stay":  # its parent lives on, as Serve's HAProxyManager actor does
     time.sleep(300)
 """
+NODE_ID = "3436b3b1b3199cb63fe02b5c7f8c0f7ba2dbaac0ee534535e7fd8bde"  # Serve's config lies under the node's id
 
 
-def spawn_haproxy(config: str, parent_stays: bool) -> tuple[int, subprocess.Popen]:
+def spawn_haproxy(config: str, parent_stays: bool, spawned: list) -> int:
     """A fake HAProxy started with ``config``; its parent, named as a Ray worker, stays or exits at once
-    (the HAProxy then outlives it, as when a cluster dies with its processes signalled together)."""
+    (the HAProxy then outlives it, as when a cluster dies with its processes signalled together).
+    Every process it starts is added to ``spawned``."""
     argv0 = "ray::HAProxyManager" if parent_stays else "python"
     parent = subprocess.Popen([argv0, "-c", FAKE_HAPROXY, config, "stay" if parent_stays else "go", sys.executable],
                               executable=sys.executable, stdout=subprocess.PIPE, text=True)
-    pid = int(parent.stdout.readline())
+    spawned.append(parent)
+    with parent.stdout:
+        pid = int(parent.stdout.readline())
+    spawned.append(pid)
     if not parent_stays:
         parent.wait(30)
-    return pid, parent
+    return pid
 
 
-def test_a_haproxy_left_by_a_gone_app_is_stopped_before_a_local_cluster_starts(tmp_path, capsys):
+def test_serve_haproxy_configs_are_the_ones_serve_writes():
+    from cluster.serve_env import serve_haproxy_config
+
+    assert serve_haproxy_config(f"/tmp/haproxy-serve/{NODE_ID}/haproxy.cfg", "/tmp/haproxy-serve/haproxy.cfg")
+    assert not serve_haproxy_config("/tmp/haproxy-serve/haproxy.cfg", "/tmp/haproxy-serve/haproxy.cfg")
+    assert not serve_haproxy_config("/tmp/haproxy-serve/mine/haproxy.cfg", "/tmp/haproxy-serve/haproxy.cfg")
+    assert not serve_haproxy_config(f"/etc/haproxy/{NODE_ID}/haproxy.cfg", "/tmp/haproxy-serve/haproxy.cfg")
+    assert not serve_haproxy_config(f"/tmp/haproxy-serve/{NODE_ID}/other.cfg", "/tmp/haproxy-serve/haproxy.cfg")
+    # RAY_SERVE_HAPROXY_CONFIG_FILE_LOC moves it; a config elsewhere under the same directory is not Serve's
+    assert serve_haproxy_config(f"/tmp/{NODE_ID}/h.cfg", "/tmp/h.cfg")
+    assert not serve_haproxy_config("/tmp/site/h.cfg", "/tmp/h.cfg")
+
+
+def test_a_haproxy_left_by_a_gone_app_is_stopped_before_a_local_cluster_starts(tmp_path, monkeypatch, capsys):
     """Its parent gone, an HAProxy of a Serve app keeps the app's HTTP port and nothing stops it: the next
     local cluster's start stops it (SIGTERM) and says so; one whose parent (a Ray worker) still runs, and
-    an HAProxy of anything else, are left alone."""
+    an HAProxy of anything else, are left alone. (The fakes' configs lie under a location of this test's
+    own, so that a cluster another test starts meanwhile does not take them for Serve's.)"""
     from cluster.serve_env import stale_haproxies, stop_stale_haproxies
 
-    orphan, _ = spawn_haproxy(str(tmp_path / "haproxy-serve" / "a1" / "haproxy.cfg"), parent_stays=False)
-    live, live_parent = spawn_haproxy(str(tmp_path / "haproxy-serve" / "b2" / "haproxy.cfg"), parent_stays=True)
-    other, _ = spawn_haproxy(str(tmp_path / "elsewhere" / "haproxy.cfg"), parent_stays=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", str(tmp_path / "own" / "haproxy.cfg"))
+    spawned: list = []
     try:
+        orphan = spawn_haproxy(str(tmp_path / "own" / NODE_ID / "haproxy.cfg"), False, spawned)
+        live = spawn_haproxy(str(tmp_path / "own" / NODE_ID[::-1] / "haproxy.cfg"), True, spawned)
+        other = spawn_haproxy(str(tmp_path / "elsewhere" / NODE_ID / "haproxy.cfg"), False, spawned)
         deadline = time.monotonic() + 10
         while not all(_cmdline(pid).startswith(b"/opt/fake/bin/haproxy") for pid in (orphan, live, other)):
             assert time.monotonic() < deadline, "the fake HAProxy processes did not start"
             time.sleep(0.05)
         found = stale_haproxies()
         assert orphan in found and live not in found and other not in found
-        assert orphan in stop_stale_haproxies(wait_s=10)
-        assert "stopped HAProxy" in capsys.readouterr().err
+        started = time.monotonic()
+        assert stop_stale_haproxies(wait_s=10) == [orphan]
+        assert time.monotonic() - started < 5  # gone at SIGTERM (a zombie its parent never reaps counts as gone)
+        assert f"stopped HAProxy {orphan}," in capsys.readouterr().err
         assert orphan not in stale_haproxies() and _gone(orphan)
         assert not _gone(live) and not _gone(other)
+        assert stop_stale_haproxies() == [] and capsys.readouterr().err == ""
     finally:
-        for pid in (orphan, live, other):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        live_parent.kill()
-        live_parent.wait()
+        for item in spawned:
+            if isinstance(item, int):
+                try:
+                    os.kill(item, signal.SIGKILL)
+                except OSError:
+                    pass
+            else:
+                item.kill()
+                item.wait()
+
+
+def test_a_local_cluster_with_haproxy_stops_the_stale_ones_first(monkeypatch, capsys):
+    """The wiring: where this process sets up a local cluster with HAProxy (``effective_serve_env`` with
+    ``set_here``, ``python -m cluster.serve_env`` for `make serve`), the stale HAProxies are stopped
+    first; with HAProxy off, or for a cluster started elsewhere, nothing is."""
+    from cluster import serve_env
+
+    calls = []
+    monkeypatch.setattr(serve_env, "stop_stale_haproxies", lambda: calls.append(1) or [])
+    monkeypatch.setenv(HA_PROXY, "1")
+    serve_env.effective_serve_env(set_here=True)
+    assert calls == [1]
+    serve_env.effective_serve_env(set_here=False)
+    assert calls == [1]
+    serve_env.main()
+    assert calls == [1, 1] and f"{HA_PROXY}=1" in capsys.readouterr().out
+    monkeypatch.setenv(HA_PROXY, "0")
+    serve_env.effective_serve_env(set_here=True)
+    serve_env.main()
+    assert calls == [1, 1]
 
 
 def _cmdline(pid: int) -> bytes:
