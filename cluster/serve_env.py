@@ -211,24 +211,22 @@ def stop_stale_haproxies(wait_s: float = 5.0) -> list[int]:
     import signal
     import time
 
+    def send(sig: int) -> None:  # to those still running it (not a reused pid)
+        for pid, args in stale.items():
+            if _running(pid, args):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+
     stale = stale_haproxies()
     if not stale:
         return []
-    for pid, args in stale.items():
-        if _running(pid, args):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:
-                pass
+    send(signal.SIGTERM)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(_running(pid, args) for pid, args in stale.items()):
         time.sleep(0.05)
-    for pid, args in stale.items():
-        if _running(pid, args):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    send(signal.SIGKILL)
     print(f"kvserve: stopped HAProxy {', '.join(map(str, stale))}, left running by a Serve app that is gone "
           "(it held that app's HTTP port)", file=sys.stderr, flush=True)
     return list(stale)
