@@ -157,21 +157,20 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _status(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, real uid) of a process; None where it is gone."""
+def _parent_and_uid(pid: int) -> tuple[int, int] | None:
+    """(parent pid, real uid) of a process; None where it is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return fields["State"].split()[0], int(fields["PPid"]), int(fields["Uid"].split()[0])
+        return int(fields["PPid"]), int(fields["Uid"].split()[0])
     except (OSError, KeyError, ValueError, IndexError):
         return None
 
 
 def _running(pid: int, args: list[str]) -> bool:
-    """Whether ``pid`` still runs with the command line ``args`` (not exited, not a zombie nobody reaped,
-    not another process that got the pid since)."""
-    status = _status(pid)
-    return status is not None and status[0] != "Z" and _cmdline(pid) == args
+    """Whether ``pid`` still runs with the command line ``args``: not exited, not a zombie nobody reaped
+    (whose command line reads empty), not another process that got the pid since."""
+    return _cmdline(pid) == args
 
 
 def stale_haproxies() -> dict[int, list[str]]:
@@ -190,14 +189,15 @@ def stale_haproxies() -> dict[int, list[str]]:
             continue
         pid = int(entry)
         args = _cmdline(pid)
+        # (a zombie's command line reads empty: only live processes pass)
         if not args or os.path.basename(args[0]) != "haproxy" or "-f" not in args[:-1]:
             continue
         if not serve_haproxy_config(args[args.index("-f") + 1]):
             continue
-        status = _status(pid)
-        if status is None or status[0] == "Z" or status[2] != os.getuid():
+        owner = _parent_and_uid(pid)
+        if owner is None or owner[1] != os.getuid():
             continue
-        parent = _cmdline(status[1])
+        parent = _cmdline(owner[0])
         if parent and parent[0].startswith("ray::"):
             continue  # a live app's HAProxyManager still runs it
         found[pid] = args

@@ -14,6 +14,7 @@ import time
 import ray
 
 import serve_app
+from benchmarks.server_process import stat
 from cluster.serve_env import (DRAIN, HA_PROXY, HAPROXY_PORTS, HARD_STOP, KEYS, NODE_HEALTH, PROXY_READY,
                                haproxy_found)
 
@@ -258,7 +259,7 @@ def test_a_haproxy_left_by_a_gone_app_is_stopped_before_a_local_cluster_starts(t
     local cluster's start stops it (SIGTERM) and says so; one whose parent (a Ray worker) still runs, and
     an HAProxy of anything else, are left alone. (The fakes' configs lie under a location of this test's
     own, so that a cluster another test starts meanwhile does not take them for Serve's.)"""
-    from cluster.serve_env import stale_haproxies, stop_stale_haproxies
+    from cluster.serve_env import _cmdline, stale_haproxies, stop_stale_haproxies
 
     monkeypatch.setenv("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", str(tmp_path / "own" / "haproxy.cfg"))
     spawned: list = []
@@ -267,7 +268,7 @@ def test_a_haproxy_left_by_a_gone_app_is_stopped_before_a_local_cluster_starts(t
         live = spawn_haproxy(str(tmp_path / "own" / NODE_ID[::-1] / "haproxy.cfg"), True, spawned)
         other = spawn_haproxy(str(tmp_path / "elsewhere" / NODE_ID / "haproxy.cfg"), False, spawned)
         deadline = time.monotonic() + 10
-        while not all(_cmdline(pid).startswith(b"/opt/fake/bin/haproxy") for pid in (orphan, live, other)):
+        while not all(_cmdline(pid)[:1] == ["/opt/fake/bin/haproxy"] for pid in (orphan, live, other)):
             assert time.monotonic() < deadline, "the fake HAProxy processes did not start"
             time.sleep(0.05)
         found = stale_haproxies()
@@ -312,18 +313,7 @@ def test_a_local_cluster_with_haproxy_stops_the_stale_ones_first(monkeypatch, ca
     assert calls == [1, 1]
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
 def _gone(pid: int) -> bool:
     """Exited (a zombie counts: its parent, init or the test, has not reaped it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    fields = stat(pid)
+    return fields is None or fields[0] == "Z"
